@@ -1,0 +1,101 @@
+"""The two-tower CLIP model, with the text tower at the top of the parameter tree as in OpenCLIP's state_dict."""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from clip_jax.models.config import CLIPConfig, get_model_config
+from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, LayerNorm, Transformer, resolve_remat_policy
+from clip_jax.models.vit import VisionTransformer
+
+INIT_LOGIT_SCALE = math.log(1 / 0.07)
+
+
+def l2_normalize(x):
+    """Unit rows in float32 (a zero row stays zero rather than becoming NaN)."""
+    x = x.astype(jnp.float32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+class CLIP(nn.Module):
+    """`apply({"params": p}, images, tokens) -> (image_features, text_features, exp(logit_scale))`, features
+    L2-normalised in float32. `method="encode_image"` / `"encode_text"` run one tower."""
+
+    config: CLIPConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
+    attention_impl: str | None = None
+
+    def setup(self):
+        cfg, text = self.config, self.config.text
+        self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype, self.param_dtype,
+                                        self.remat_policy, self.attention_impl)
+        self.token_embedding = nn.Embed(text.vocab_size, text.width, dtype=self.dtype, param_dtype=self.param_dtype,
+                                        embedding_init=nn.initializers.normal(0.02))
+        self.positional_embedding = self.param("positional_embedding", nn.initializers.normal(0.01),
+                                               (text.context_length, text.width), self.param_dtype)
+        self.transformer = Transformer(text.width, text.layers, text.heads, text.mlp_width, causal=True,
+                                       quick_gelu=cfg.quick_gelu, dtype=self.dtype, param_dtype=self.param_dtype,
+                                       remat_policy=self.remat_policy, attention_impl=self.attention_impl)
+        self.ln_final = LayerNorm(self.dtype, self.param_dtype)
+        self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
+                                          (text.width, cfg.embed_dim), self.param_dtype)
+        self.logit_scale = self.param("logit_scale", nn.initializers.constant(INIT_LOGIT_SCALE), (),
+                                      self.param_dtype)
+
+    def encode_image(self, images, normalize: bool = True):  # [B, H, W, 3] -> [B, E]
+        features = self.visual(images)
+        return l2_normalize(features) if normalize else features.astype(jnp.float32)
+
+    def encode_text(self, tokens, normalize: bool = True):  # [B, L] int -> [B, E]
+        context_length = self.config.text.context_length
+        if tokens.ndim != 2 or tokens.shape[1] != context_length:
+            raise ValueError(f"text tower expects tokens of shape [B, {context_length}], got {tuple(tokens.shape)}")
+        x = self.token_embedding(tokens) + self.positional_embedding.astype(self.dtype)  # [B, L, W]
+        x = self.ln_final(self.transformer(x))
+        # Pool at the end-of-text token, the largest id in each row.
+        x = x[jnp.arange(x.shape[0]), jnp.argmax(tokens, axis=-1)]  # [B, W]
+        features = x @ self.text_projection.astype(self.dtype)
+        return l2_normalize(features) if normalize else features.astype(jnp.float32)
+
+    def __call__(self, images, tokens):
+        return (self.encode_image(images), self.encode_text(tokens),
+                jnp.exp(self.logit_scale.astype(jnp.float32)))
+
+
+def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,
+                 param_dtype: Dtype = jnp.float32, remat_policy: str = "none",
+                 attention_impl: str | None = None) -> CLIP:
+    """A CLIP module for a registered name, an OpenCLIP model-config dict or .json path, or a `CLIPConfig`.
+
+    `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
+    so one checkpoint runs under any of them. `remat_policy` names a `jax.checkpoint_policies` policy applied to
+    every residual block ("none" keeps all activations); `attention_impl` is passed to
+    `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU).
+    """
+    config = get_model_config(name_or_config)
+    resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+    return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl)
+
+
+def dummy_inputs(config: CLIPConfig, batch_size: int = 1):
+    """Zero images and tokens of the shapes the model expects."""
+    v, t = config.vision, config.text
+    return (jnp.zeros((batch_size, v.image_size, v.image_size, 3), jnp.float32),
+            jnp.zeros((batch_size, t.context_length), jnp.int32))
+
+
+def init_params(model: CLIP, rng: jax.Array) -> dict:
+    """Freshly initialised parameters (leaves in the model's `param_dtype`)."""
+    return jax.jit(model.init)(rng, *dummy_inputs(model.config))["params"]
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,151 @@
+"""The transformer pieces both towers share: LayerNorm, attention, MLP, the residual block and the scanned stack.
+
+Parameter names follow OpenCLIP's state_dict (`ln_1`, `attn.in_proj`, `mlp.c_fc`, ...), so conversion is a matter of
+transposes. Parameters are stored in `param_dtype` and cast to the compute `dtype` where they are used; LayerNorm
+statistics are always computed in float32.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+Dtype = Any
+
+
+def remat_policy_names() -> list[str]:
+    """Names accepted as `remat_policy`: "none" (keep every activation) or a policy of `jax.checkpoint_policies`."""
+    return ["none"] + sorted(
+        name for name, value in vars(jax.checkpoint_policies).items()
+        if not name.startswith("_") and callable(value) and name.endswith("saveable")
+    )
+
+
+def resolve_remat_policy(name: str):
+    """The `jax.checkpoint` policy for a name; None for "none" (no rematerialisation)."""
+    if name == "none":
+        return None
+    if name not in remat_policy_names():
+        raise ValueError(f"unknown remat_policy {name!r}; choose one of {remat_policy_names()}")
+    return getattr(jax.checkpoint_policies, name)
+
+
+def gelu(x, quick: bool = False):
+    """Exact (erf) GELU as OpenCLIP uses; QuickGELU x * sigmoid(1.702 x) for OpenAI's original weights."""
+    if quick:
+        return x * jax.nn.sigmoid(1.702 * x)
+    return jax.nn.gelu(x, approximate=False)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with eps 1e-5, statistics in float32, output in the compute dtype."""
+
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        width = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (width,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (width,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a packed q,k,v projection (`in_proj`) and an output projection."""
+
+    width: int
+    heads: int
+    causal: bool
+    out_std: float
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, W]
+        batch, length, _ = x.shape
+        head_dim = self.width // self.heads
+        qkv = nn.Dense(3 * self.width, dtype=self.dtype, param_dtype=self.param_dtype,
+                       kernel_init=nn.initializers.normal(self.width**-0.5), name="in_proj")(x)  # [B, T, 3W]
+        q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.heads, head_dim), 3, axis=2)  # [B, T, N, H] each
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.attention_impl)
+        out = out.reshape(batch, length, self.width)
+        return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.out_std), name="out_proj")(out)
+
+
+class MLP(nn.Module):
+    width: int
+    mlp_width: int
+    out_std: float
+    quick_gelu: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.mlp_width, dtype=self.dtype, param_dtype=self.param_dtype,
+                     kernel_init=nn.initializers.normal((2 * self.width) ** -0.5), name="c_fc")(x)
+        x = gelu(x, self.quick_gelu)
+        return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.out_std), name="c_proj")(x)
+
+
+class ResidualBlock(nn.Module):
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Scan-shaped: (carry, _) -> (carry, None)."""
+
+    width: int
+    heads: int
+    mlp_width: int
+    layers: int
+    causal: bool = False
+    quick_gelu: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x, _):
+        # Output projections start smaller as depth grows, as in OpenCLIP's text tower initialisation.
+        out_std = self.width**-0.5 * (2 * self.layers) ** -0.5
+        norm = lambda name: LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        x = x + Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
+                          self.attention_impl, name="attn")(norm("ln_1")(x))
+        x = x + MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype,
+                    name="mlp")(norm("ln_2")(x))
+        return x, None
+
+
+class Transformer(nn.Module):
+    """`layers` residual blocks stacked with `nn.scan` (one compiled block whatever the depth), each optionally
+    rematerialised under a named `jax.checkpoint` policy. Parameters under `resblocks` carry a leading layer axis."""
+
+    width: int
+    layers: int
+    heads: int
+    mlp_width: int
+    causal: bool = False
+    quick_gelu: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, W]
+        block = ResidualBlock
+        if self.remat_policy != "none":
+            block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=False)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+        x, _ = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu, self.dtype,
+                     self.param_dtype, self.attention_impl, name="resblocks")(x, None)
+        return x

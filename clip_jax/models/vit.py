@@ -1,0 +1,44 @@
+"""The image tower: a ViT with class-token pooling, as OpenCLIP's `VisionTransformer`."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from clip_jax.models.config import VisionConfig
+from clip_jax.models.layers import Dtype, LayerNorm, Transformer
+
+
+class VisionTransformer(nn.Module):
+    """Patchify (conv, no bias) -> class token -> positional embedding -> ln_pre -> blocks -> ln_post(class token)
+    -> proj. Images are NHWC float32, already normalised."""
+
+    config: VisionConfig
+    embed_dim: int
+    quick_gelu: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, images):  # [B, H, W, 3] -> [B, embed_dim]
+        cfg = self.config
+        if images.ndim != 4 or images.shape[1:] != (cfg.image_size, cfg.image_size, 3):
+            raise ValueError(f"image tower expects images of shape [B, {cfg.image_size}, {cfg.image_size}, 3] "
+                             f"(NHWC), got {tuple(images.shape)}")
+        scale = cfg.width**-0.5
+        patches = nn.Conv(cfg.width, (cfg.patch_size,) * 2, strides=(cfg.patch_size,) * 2, padding="VALID",
+                          use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="conv1")(images)
+        x = patches.reshape(images.shape[0], cfg.grid_size**2, cfg.width)  # [B, g*g, W], row-major patch order
+        class_embedding = self.param("class_embedding", nn.initializers.normal(scale), (cfg.width,), self.param_dtype)
+        class_token = jnp.broadcast_to(class_embedding.astype(self.dtype), (x.shape[0], 1, cfg.width))
+        x = jnp.concatenate([class_token, x], axis=1)  # [B, T, W]
+        positional_embedding = self.param("positional_embedding", nn.initializers.normal(scale),
+                                          (cfg.num_tokens, cfg.width), self.param_dtype)
+        x = x + positional_embedding.astype(self.dtype)
+        x = LayerNorm(self.dtype, self.param_dtype, name="ln_pre")(x)
+        x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
+                        dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
+                        attention_impl=self.attention_impl, name="transformer")(x)
+        pooled = LayerNorm(self.dtype, self.param_dtype, name="ln_post")(x[:, 0])  # [B, W]
+        proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
+        return pooled @ proj.astype(self.dtype)

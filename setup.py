@@ -1,0 +1,42 @@
+"""clip_jax: CLIP training in JAX/Flax at LAION scale, compatible with OpenCLIP checkpoints."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="clipjax-train",
+    version="0.1.0",
+    description="CLIP training in JAX/Flax at LAION scale, compatible with OpenCLIP checkpoints",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["clip_jax", "clip_jax.*"]),
+    package_data={"clip_jax": ["*.txt.gz", "*.txt"]},
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "grain>=0.2.18",
+        "ml-collections>=1.1.0",
+        "clu>=0.0.12",
+        "tensorflow-datasets>=4.9.10",
+        "numpy>=2.0",
+        "tokenizers>=0.23",
+        "ftfy>=6.3",
+        "regex>=2026.1.1",
+        "pillow>=12.0",
+        "safetensors>=0.8",
+        "fsspec>=2026.1.0",
+    ],
+    extras_require={
+        # The parity tests run the real OpenCLIP package; pip takes these torch builds from local files where present.
+        "test": [
+            "pytest>=9.0",
+            "torch==2.14.1",
+            "torchvision==0.29.1",
+            "open-clip-torch==3.3.0",
+            "webdataset>=1.0.2",
+        ],
+    },
+)

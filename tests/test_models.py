@@ -1,0 +1,152 @@
+"""The model registry, OpenCLIP's config format, and the run-time options (dtype, remat, scan, attention)."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import open_clip
+import pytest
+import torch
+
+from clip_jax.models import count_params, create_model, get_model_config, init_params, list_models
+from open_clip_reference import TINY, random_inputs
+
+NAMED = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-H-14", "ViT-g-14"]
+
+
+def _param_count(model) -> int:
+    return count_params(jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0)))
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_named_models_have_open_clips_architecture_and_parameter_count(name):
+    assert name in list_models()
+    open_clip_config = open_clip.get_model_config(name)
+    assert get_model_config(open_clip_config) == get_model_config(name).__class__(
+        **{**get_model_config(name).__dict__, "name": "custom"})
+    with torch.device("meta"):  # no memory is allocated
+        expected = sum(p.numel() for p in open_clip.CLIP(**open_clip_config).parameters())
+    assert _param_count(create_model(name)) == expected
+
+
+def test_vit_l_14_has_the_published_parameter_count():
+    assert _param_count(create_model("ViT-L-14")) == 427_616_513
+
+
+def test_an_open_clip_json_file_is_used_as_is(tmp_path):
+    path = tmp_path / "my-tiny.json"
+    path.write_text(json.dumps({**TINY, "text_cfg": {**TINY["text_cfg"], "ls_init_value": None}}))
+    config = get_model_config(str(path))
+    assert config.name == "my-tiny"
+    assert config.vision.heads == 4 and config.vision.mlp_width == 240
+    assert config.text.heads == 4 and config.text.mlp_width == 192
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("ViT-Q-99", "unknown model 'ViT-Q-99'"),
+    ({**TINY, "vision_cfg": {**TINY["vision_cfg"], "widht": 96}}, "unknown key(s) ['widht']"),
+    ({**TINY, "vision_cfg": {**TINY["vision_cfg"], "ls_init_value": 1e-5}}, "ls_init_value=1e-05"),
+    ({"embed_dim": 8, "vision_cfg": {}}, "lacks ['text_cfg']"),
+    ({**TINY, "text_cfg": {**TINY["text_cfg"], "heads": 5}}, "not divisible by 5 heads"),
+    ("/nonexistent/model.json", "does not exist"),
+])
+def test_bad_model_configs_fail_with_a_message_naming_the_problem(bad, message):
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        get_model_config(bad)
+    assert message in str(info.value)
+
+
+def test_bad_run_options_fail_when_the_model_is_created():
+    with pytest.raises(ValueError, match="unknown remat_policy 'everything'"):
+        create_model(TINY, remat_policy="everything")
+    with pytest.raises(ValueError, match="unknown attention_impl"):
+        create_model(TINY, attention_impl="flash")
+
+
+def test_wrong_input_shapes_are_named():
+    model = create_model(TINY)
+    params = init_params(model, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\[B, 32, 32, 3\]"):
+        model.apply({"params": params}, jnp.zeros((1, 3, 32, 32)), method="encode_image")
+    with pytest.raises(ValueError, match=r"\[B, 20\]"):
+        model.apply({"params": params}, jnp.zeros((1, 77), jnp.int32), method="encode_text")
+
+
+def _loss_and_grads(model, params, images, tokens):
+    def loss(p):
+        image_f, text_f, scale = model.apply({"params": p}, images, tokens)
+        logits = scale * image_f @ text_f.T
+        return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits)))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_remat_changes_memory_not_results(policy):
+    images, tokens = random_inputs(32, 20, 600, batch=4)
+    plain = create_model(TINY)
+    params = init_params(plain, jax.random.key(0))
+    loss, grads = _loss_and_grads(plain, params, images, tokens)
+    loss_r, grads_r = _loss_and_grads(create_model(TINY, remat_policy=policy), params, images, tokens)
+    np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_r, grads)
+
+
+def test_scanned_layers_keep_the_program_size_flat_in_depth():
+    def equations(layers):
+        config = {**TINY, "vision_cfg": {**TINY["vision_cfg"], "layers": layers},
+                  "text_cfg": {**TINY["text_cfg"], "layers": layers}}
+        model = create_model(config, remat_policy="nothing_saveable")
+        params = jax.eval_shape(lambda r: init_params(model, r), jax.random.key(0))
+        images, tokens = random_inputs(32, 20, 600, batch=2)
+        def loss(p):
+            image_f, text_f, _ = model.apply({"params": p}, images, tokens)
+            return jnp.sum(image_f * text_f)
+
+        return str(jax.make_jaxpr(jax.grad(loss))(params)).count("\n")  # one line per equation
+
+    assert equations(2) == equations(12)
+
+
+def test_bf16_compute_keeps_fp32_params_and_features():
+    images, tokens = random_inputs(32, 20, 600, batch=4)
+    fp32 = create_model(TINY)
+    params = init_params(fp32, jax.random.key(0))
+    bf16 = create_model(TINY, dtype=jnp.bfloat16)
+    assert jax.tree.structure(init_params(bf16, jax.random.key(0))) == jax.tree.structure(params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(init_params(bf16, jax.random.key(0))))
+    jaxpr = str(jax.make_jaxpr(lambda p: bf16.apply({"params": p}, images, tokens))(params))
+    assert "dot_general" in jaxpr and "preferred_element_type=bfloat16" in jaxpr
+    expected = fp32.apply({"params": params}, images, tokens)
+    got = bf16.apply({"params": params}, images, tokens)
+    for e, g in zip(expected[:2], got[:2]):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, e, atol=3e-2)
+
+
+def test_pure_bf16_params_keep_the_same_tree():
+    model = create_model(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params = init_params(model, jax.random.key(0))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    fp32_params = init_params(create_model(TINY), jax.random.key(0))
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, fp32_params)
+
+
+def test_xla_attention_equals_the_default():
+    images, tokens = random_inputs(32, 20, 600, batch=2)
+    params = init_params(create_model(TINY), jax.random.key(0))
+    a = create_model(TINY).apply({"params": params}, images, tokens)
+    b = create_model(TINY, attention_impl="xla").apply({"params": params}, images, tokens)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_the_core_imports_neither_tensorflow_nor_clu_nor_torch():
+    code = ("import sys, clip_jax, clip_jax.models, clip_jax.convert\n"
+            "bad = sorted(m for m in ('tensorflow', 'clu', 'torch') if m in sys.modules)\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
