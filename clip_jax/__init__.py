@@ -1,10 +1,25 @@
 """CLIP training in JAX/Flax, compatible with OpenCLIP checkpoints.
 
-The core (models, tokenizer, conversion, loss, train step) imports neither
-TensorFlow nor clu, so it runs in a bare JAX image.
+The core (models, tokenizer, conversion, loss, train step) imports neither TensorFlow nor clu, so it runs in a
+bare JAX image. Names below load on first use, so that `import clip_jax.tokenizer` (in data workers) stays light.
 """
 
-from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, list_models
+import importlib
 
-__all__ = ["CLIPConfig", "create_model", "get_model_config", "init_params", "list_models"]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CLIPConfig": "clip_jax.models",
+    "create_model": "clip_jax.models",
+    "get_model_config": "clip_jax.models",
+    "init_params": "clip_jax.models",
+    "list_models": "clip_jax.models",
+    "tokenize": "clip_jax.tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'clip_jax' has no attribute {name!r}")
