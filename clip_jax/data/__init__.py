@@ -1,0 +1,58 @@
+"""Input pipeline: Grain over LAION-style webdataset tar shards, plus the demo dataset and eval sets.
+
+Training (one call per process)::
+
+    from clip_jax import data
+
+    cfg = data.TrainDataConfig(shards="/data/laion2B-en/{00000..23295}.tar", resampled=True,
+                               train_num_samples=200_000_000, workers=6, seed=0)
+    it = data.build_train_iterator(cfg, global_batch_size=86_016, image_size=224, mean=(0.5,) * 3, std=(0.5,) * 3,
+                                   process_index=jax.process_index(), process_count=jax.process_count())
+    batch = next(it)  # {"images": float32 [B_proc, 224, 224, 3] normalised, "tokens": int32 [B_proc, 77]}
+    data.skip_counts(it)  # {"corrupt_image": 3, "no_caption": 1, ...}, summed over workers, for metrics
+    data.steps_per_epoch(cfg, 86_016)  # virtual epoch length in steps
+
+The iterator never ends: in resampled mode each worker draws shards with replacement; in epoch mode every shard is
+read once per epoch (split over processes and workers) and epochs follow each other. ``it.get_state()`` /
+``it.set_state(state)`` resume exactly (the next batch is the one that would have come) when the shards, seed,
+``workers``, ``shuffle_window``, ``shards_in_flight`` and process count are unchanged; Orbax saves the state next
+to the model with ``ocp.args.Composite(..., data_iter=grain.checkpoint.CheckpointSave(it))`` and restores it with
+``grain.checkpoint.CheckpointRestore(it)``. With ``workers > 0`` the workers are spawned processes (the launching
+script needs the usual ``if __name__ == "__main__":`` guard); call ``it.close()`` when done.
+
+Demo data: ``make_shards.fashion_mnist_shards(folder, "train")`` writes (once) and returns the pattern of
+Fashion-MNIST shards; ``fashion_mnist.CLASS_NAMES`` / ``fashion_mnist.zeroshot_prompts`` and
+``eval_sets.FashionMNISTSource("test")`` serve its zero-shot evaluation.
+
+Modules: ``shards`` (patterns, weights, draw order), ``tar_format`` (streaming tar reader), ``webdataset`` (raw
+samples from shards, skip reasons), ``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the
+Grain pipeline), ``eval_sets`` (image folders, TFDS sources, retrieval shards), ``fashion_mnist`` (the demo
+dataset, its class names and prompts). Tools: ``python -m clip_jax.data.make_shards``, ``python -m
+clip_jax.data.check``.
+"""
+
+from clip_jax.data.pipeline import (
+    TrainDataConfig,
+    build_train_dataset,
+    build_train_iterator,
+    count_samples,
+    skip_counts,
+    steps_per_epoch,
+)
+from clip_jax.data.shards import ShardList, ShardPatternError, expand_braces, resolve_shards
+from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+
+__all__ = [
+    "OPENAI_MEAN",
+    "OPENAI_STD",
+    "ShardList",
+    "ShardPatternError",
+    "TrainDataConfig",
+    "build_train_dataset",
+    "build_train_iterator",
+    "count_samples",
+    "expand_braces",
+    "resolve_shards",
+    "skip_counts",
+    "steps_per_epoch",
+]

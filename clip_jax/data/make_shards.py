@@ -1,0 +1,254 @@
+"""Writes webdataset shards in img2dataset's format, from an image folder with captions or from Fashion-MNIST.
+
+Each ``NNNNN.tar`` holds ``KEY.jpg`` (or the source's .png/.webp), ``KEY.txt`` (caption, no trailing newline) and
+``KEY.json`` (url, caption, key, status, error_message, width, height, original_width, original_height, exif,
+sha256), with 9-digit keys ``shard * 10**4 + row``. Beside it: ``NNNNN_stats.json`` and, when pyarrow is
+installed, ``NNNNN.parquet`` with one row per sample.
+
+    python -m clip_jax.data.make_shards fashion-mnist --out /tmp/fmnist            # train/ and test/ shards
+    python -m clip_jax.data.make_shards fashion-mnist --out /tmp/fm256 --image-size 256 --split test
+    python -m clip_jax.data.make_shards folder --images photos/ --captions captions.tsv --out /tmp/photos
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from PIL import Image
+
+from clip_jax.data import fashion_mnist
+
+ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
+FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes
+IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+
+
+class Sample(NamedTuple):
+    image: bytes  # encoded
+    extension: str  # "jpg", "png" or "webp"
+    caption: str
+    url: str
+    width: int
+    height: int
+    original_width: int
+    original_height: int
+
+
+def encode_jpeg(image: Image.Image, quality: int = 95) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _add(tar, name: str, data: bytes) -> None:
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), FIXED_MTIME, 0o444
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _write_parquet(path: str, rows: list[dict]) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def write_shard(samples: list[Sample], out_dir: str, shard_index: int) -> str:
+    """Writes one shard (tar, stats json, parquet) atomically; returns the tar path."""
+    import tarfile
+
+    if len(samples) > ROWS_PER_SHARD_MAX:
+        raise ValueError(f"{len(samples)} samples in one shard; at most {ROWS_PER_SHARD_MAX} fit 9-digit keys")
+    start = time.time()
+    name = f"{shard_index:05d}"
+    path = os.path.join(out_dir, f"{name}.tar")
+    rows = []
+    with tarfile.open(path + ".tmp", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for row, sample in enumerate(samples):
+            key = f"{shard_index * ROWS_PER_SHARD_MAX + row:09d}"
+            meta = {
+                "url": sample.url, "caption": sample.caption, "key": key, "status": "success",
+                "error_message": None, "width": sample.width, "height": sample.height,
+                "original_width": sample.original_width, "original_height": sample.original_height,
+                "exif": None, "sha256": hashlib.sha256(sample.image).hexdigest(),
+            }
+            _add(tar, f"{key}.{sample.extension}", sample.image)
+            _add(tar, f"{key}.txt", sample.caption.encode("utf-8"))
+            _add(tar, f"{key}.json", json.dumps(meta).encode("utf-8"))
+            rows.append(meta)
+    os.replace(path + ".tmp", path)
+    end = time.time()
+    stats = {"count": len(samples), "successes": len(samples), "failed_to_download": 0, "failed_to_resize": 0,
+             "duration": end - start, "start_time": start, "end_time": end, "status_dict": {"success": len(samples)}}
+    with open(os.path.join(out_dir, f"{name}_stats.json"), "w") as f:
+        json.dump(stats, f, indent=4)
+    _write_parquet(os.path.join(out_dir, f"{name}.parquet"), rows)
+    return path
+
+
+def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int = ROWS_PER_SHARD_MAX) -> list[str]:
+    """Writes ``samples`` into ``out_dir/00000.tar, 00001.tar, ...``; returns the tar paths."""
+    if not 1 <= samples_per_shard <= ROWS_PER_SHARD_MAX:
+        raise ValueError(f"samples_per_shard must be in [1, {ROWS_PER_SHARD_MAX}], got {samples_per_shard}")
+    os.makedirs(out_dir, exist_ok=True)
+    paths, pending = [], []
+    for sample in samples:
+        pending.append(sample)
+        if len(pending) == samples_per_shard:
+            paths.append(write_shard(pending, out_dir, len(paths)))
+            pending = []
+    if pending:
+        paths.append(write_shard(pending, out_dir, len(paths)))
+    return paths
+
+
+def shard_pattern(paths: list[str]) -> str:
+    """The brace pattern naming ``paths`` written by :func:`write_shards`."""
+    folder = os.path.dirname(paths[0])
+    if len(paths) == 1:
+        return paths[0]
+    return os.path.join(folder, f"{{00000..{len(paths) - 1:05d}}}.tar")
+
+
+def fashion_mnist_samples(split: str, root: str = fashion_mnist.DEFAULT_DIR, image_size: int | None = None,
+                          limit: int | None = None, quality: int = 95) -> Iterator[Sample]:
+    """Fashion-MNIST as greyscale JPEG samples (1 channel, as img2dataset stores greyscale), optionally upscaled."""
+    images, labels = fashion_mnist.load(split, root)
+    if limit is not None:
+        images, labels = images[:limit], labels[:limit]
+    captions = fashion_mnist.captions(labels, seed=0 if split == "train" else 1)
+    for index, (pixels, caption) in enumerate(zip(images, captions)):
+        image = Image.fromarray(pixels, mode="L")
+        if image_size is not None and image_size != image.width:
+            image = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
+        yield Sample(encode_jpeg(image, quality), "jpg", caption, f"fashion-mnist:{split}/{index}", image.width,
+                     image.height, pixels.shape[1], pixels.shape[0])
+
+
+def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str = fashion_mnist.DEFAULT_DIR,
+                         samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None) -> str:
+    """Shards of a Fashion-MNIST split in ``out_dir`` (written on first use); returns their brace pattern."""
+    num_images = len(fashion_mnist.load(split, root)[1])
+    num_shards = -(-num_images // samples_per_shard)
+    names = [f"{i:05d}" for i in range(num_shards)]
+    if not all(os.path.exists(os.path.join(out_dir, f"{name}_stats.json")) for name in names):
+        write_shards(fashion_mnist_samples(split, root, image_size), out_dir, samples_per_shard)
+    return shard_pattern([os.path.join(out_dir, f"{name}.tar") for name in names])
+
+
+def read_captions_file(path: str) -> dict[str, str]:
+    """Captions from ``.tsv``/``.csv`` (columns: image path relative to the folder, caption) or ``.jsonl``
+    (``{"image": ..., "caption": ...}``)."""
+    captions = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.endswith(".jsonl"):
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                        captions[record["image"]] = record["caption"]
+                    except (ValueError, KeyError) as e:
+                        raise ValueError(f"{path}:{line_number}: expected {{\"image\": ..., \"caption\": ...}}") from e
+        else:
+            delimiter = "\t" if path.endswith(".tsv") else ","
+            for line_number, row in enumerate(csv.reader(f, delimiter=delimiter), 1):
+                if not row or (line_number == 1 and [c.lower() for c in row[:2]] == ["image", "caption"]):
+                    continue
+                if len(row) < 2:
+                    raise ValueError(f"{path}:{line_number}: expected two columns, image path and caption")
+                captions[row[0]] = row[1]
+    return captions
+
+
+def image_folder_samples(folder: str, captions_file: str | None = None,
+                         image_size: int | None = None) -> Iterator[Sample]:
+    """Images under ``folder`` (sorted, recursive) with captions from ``captions_file`` or a sibling ``.txt``.
+
+    Images without a caption are left out, with a warning. ``image_size`` resizes the shortest side (bicubic) and
+    re-encodes as JPEG; otherwise the original bytes are kept.
+    """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"image folder {folder!r} does not exist")
+    captions = read_captions_file(captions_file) if captions_file else None
+    paths = sorted(
+        os.path.relpath(os.path.join(d, name), folder)
+        for d, _, names in os.walk(folder) for name in names
+        if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+    )
+    if not paths:
+        raise FileNotFoundError(f"no .jpg/.jpeg/.png/.webp image under {folder!r}")
+    without_caption = 0
+    for rel in paths:
+        full = os.path.join(folder, rel)
+        if captions is not None:
+            caption = captions.get(rel)
+        else:
+            txt = os.path.splitext(full)[0] + ".txt"
+            caption = open(txt, encoding="utf-8").read().strip() if os.path.exists(txt) else None
+        if not caption:
+            without_caption += 1
+            continue
+        with open(full, "rb") as f:
+            data = f.read()
+        image = Image.open(io.BytesIO(data))
+        original = image.size
+        extension = IMAGE_EXTENSIONS[os.path.splitext(rel)[1].lower()]
+        if image_size is not None:
+            image = image.convert("RGB") if image.mode not in ("RGB", "L") else image
+            scale = image_size / min(image.size)
+            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+            data, extension = encode_jpeg(image), "jpg"
+        yield Sample(data, extension, caption, "file://" + os.path.abspath(full), image.width, image.height,
+                     *original)
+    if without_caption:
+        print(f"warning: {without_caption} of {len(paths)} images have no caption and were left out", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clip_jax.data.make_shards", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="source", required=True)
+    fm = commands.add_parser("fashion-mnist", help="shards from the bundled Fashion-MNIST")
+    fm.add_argument("--root", default=fashion_mnist.DEFAULT_DIR, help="folder with the *-ubyte.gz files")
+    fm.add_argument("--split", choices=["train", "test", "both"], default="both")
+    fm.add_argument("--limit", type=int, default=None, help="first N images of each split")
+    folder = commands.add_parser("folder", help="shards from an image folder and captions")
+    folder.add_argument("--images", required=True, help="folder of images (searched recursively)")
+    folder.add_argument("--captions", default=None,
+                        help=".tsv/.csv (path, caption) or .jsonl; default: a .txt beside each image")
+    for command in (fm, folder):
+        command.add_argument("--out", required=True, help="output folder")
+        command.add_argument("--samples-per-shard", type=int, default=ROWS_PER_SHARD_MAX)
+        command.add_argument("--image-size", type=int, default=None, help="resize (bicubic) to this size")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.source == "fashion-mnist":
+            splits = ["train", "test"] if args.split == "both" else [args.split]
+            jobs = [(os.path.join(args.out, split) if len(splits) > 1 else args.out,
+                     fashion_mnist_samples(split, args.root, args.image_size, args.limit)) for split in splits]
+        else:
+            jobs = [(args.out, image_folder_samples(args.images, args.captions, args.image_size))]
+        for out_dir, samples in jobs:
+            paths = write_shards(samples, out_dir, args.samples_per_shard)
+            print(f"wrote {len(paths)} shards to {out_dir}: {shard_pattern(paths)}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The training input pipeline: shards -> raw samples -> decode + augment -> batches of images and tokens.
+
+``build_train_iterator`` returns a ``grain.DatasetIterator`` yielding, per process,
+``{"images": float32 [B_proc, S, S, 3] (normalised), "tokens": int32 [B_proc, context_length]}`` forever; its
+``get_state()``/``set_state()`` resume exactly and Orbax saves it with ``grain.checkpoint.CheckpointSave``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from clip_jax.data import shards as shards_lib
+from clip_jax.data import transforms, webdataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainDataConfig:
+    """What a training config says about its data (``TrainDataConfig(**config.data)``)."""
+
+    shards: str  # e.g. "/data/laion2B-en/{00000..23295}.tar", sources joined with "::"
+    weights: str | None = None  # per-source draw weights "1::2" (resampled mode)
+    resampled: bool = True  # draw shards with replacement (else: every shard once per epoch)
+    train_num_samples: int | None = None  # virtual epoch size (None: counted from *_stats.json when present)
+    seed: int = 0
+    workers: int = 0  # data worker processes per training process (0: read in the training process)
+    shuffle_window: int = 1000  # samples shuffled together, per worker
+    shards_in_flight: int = 4  # shards read in turn, per worker
+    prefetch_batches: int = 2  # batches buffered per worker
+    check_shards_exist: bool = True
+
+
+class DecodedDataset(grain.IterDataset):
+    """Raw samples -> ``{"image": uint8 [S, S, 3], "caption": str}``; undecodable images are skipped and counted."""
+
+    def __init__(self, parent: grain.IterDataset, *, image_size: int, train: bool, seed: int = 0,
+                 scale: Sequence[float] = transforms.TRAIN_SCALE, ratio: Sequence[float] = transforms.TRAIN_RATIO):
+        super().__init__(parent)
+        self.image_size, self.train, self.seed = image_size, train, seed
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def __iter__(self) -> "DecodedIterator":
+        return DecodedIterator(self._parent.__iter__(), self)
+
+
+class DecodedIterator(grain.DatasetIterator):
+    """Iterator of :class:`DecodedDataset`; its state is the parent's plus the decode-failure counter."""
+
+    def __init__(self, parent: grain.DatasetIterator, ds: DecodedDataset):
+        super().__init__(parent)
+        self._ds = ds
+        self.skipped: collections.Counter = collections.Counter()
+
+    def __next__(self) -> dict[str, Any]:
+        ds = self._ds
+        while True:
+            sample: webdataset.RawSample = next(self._parent)
+            try:
+                image = transforms.decode_rgb(sample.image)
+            except transforms.ImageDecodeError as e:
+                log.debug("skipping %s in %s: %s", sample.key, sample.shard, e)
+                self.skipped[webdataset.CORRUPT_IMAGE] += 1
+                continue
+            if ds.train:
+                rng = np.random.Generator(np.random.Philox(key=[ds.seed % 2**64, sample.stream],
+                                                           counter=[0, 0, sample.number, 2]))
+                pixels = transforms.train_crop(image, ds.image_size, rng, ds.scale, ds.ratio)
+            else:
+                pixels = transforms.eval_crop(image, ds.image_size)
+            return {"image": pixels, "caption": sample.caption}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._parent.get_state(), "skipped": dict(self.skipped)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self.skipped = collections.Counter(state["skipped"])
+
+    def __str__(self) -> str:
+        return f"DecodedIterator(train={self._ds.train}, size={self._ds.image_size})"
+
+
+Tokenizer = Callable[..., np.ndarray]  # (texts, context_length=L) -> int [N, L]
+
+
+def clip_tokenize(texts: list[str], context_length: int = 77) -> np.ndarray:
+    """OpenCLIP's tokenizer (``clip_jax.tokenizer.tokenize``)."""
+    from clip_jax.tokenizer import tokenize
+
+    return tokenize(texts, context_length=context_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collate:
+    """Stacks decoded samples into ``{"images": float32 [B, S, S, 3], "tokens": int32 [B, L]}``."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    context_length: int = 77
+    tokenize: Tokenizer = clip_tokenize  # a module-level function, so that worker processes can unpickle it
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+        images = np.stack([s["image"] for s in samples])  # [B, S, S, 3] uint8
+        tokens = self.tokenize([s["caption"] for s in samples], context_length=self.context_length)
+        return {"images": transforms.normalize(images, self.mean, self.std), "tokens": np.asarray(tokens, np.int32)}
+
+
+def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
+    if global_batch_size % process_count:
+        raise ValueError(f"global batch size {global_batch_size} is not divisible by {process_count} processes")
+    return global_batch_size // process_count
+
+
+def build_train_dataset(
+    cfg: TrainDataConfig,
+    *,
+    global_batch_size: int,
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    process_index: int = 0,
+    process_count: int = 1,
+    context_length: int = 77,
+    tokenize: Tokenizer = clip_tokenize,
+) -> grain.IterDataset:
+    """The per-process training dataset (see :func:`build_train_iterator`)."""
+    batch_size = per_process_batch_size(global_batch_size, process_count)
+    shard_list = shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
+    if cfg.weights is not None and not cfg.resampled:
+        raise ValueError("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
+    ds = webdataset.TarShardDataset(
+        shard_list, resampled=cfg.resampled, seed=cfg.seed, process_index=process_index,
+        process_count=process_count, shuffle_window=cfg.shuffle_window, shards_in_flight=cfg.shards_in_flight,
+    )
+    streams = process_count * max(cfg.workers, 1)
+    if not cfg.resampled and len(shard_list) < streams:
+        raise ValueError(
+            f"epoch mode needs at least one shard per process x worker: {len(shard_list)} shards for "
+            f"{process_count} processes x {max(cfg.workers, 1)} workers; use resampled mode or fewer workers"
+        )
+    ds = DecodedDataset(ds, image_size=image_size, train=True, seed=cfg.seed)
+    ds = ds.batch(batch_size, drop_remainder=True,
+                  batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
+    if cfg.workers > 0:
+        _ensure_absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
+                                                         per_worker_buffer_size=cfg.prefetch_batches))
+    return ds
+
+
+def _ensure_absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags; outside ``absl.app.run`` they are unparsed (use the defaults)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> grain.DatasetIterator:
+    """Per-process iterator of ``{"images": float32 [B_proc, S, S, 3], "tokens": int32 [B_proc, L]}``, infinite.
+
+    Keyword arguments as :func:`build_train_dataset`: ``global_batch_size``, ``image_size``, ``mean``, ``std``,
+    ``process_index``, ``process_count``, ``context_length``, ``tokenize``.
+    """
+    return iter(build_train_dataset(cfg, **kwargs))
+
+
+def skip_counts(state_or_iterator: Any) -> dict[str, int]:
+    """Samples and shards skipped so far, by reason, summed over all workers (for metrics)."""
+    state = state_or_iterator.get_state() if hasattr(state_or_iterator, "get_state") else state_or_iterator
+    if isinstance(state, (bytes, str)):
+        state = json.loads(state)
+    totals: collections.Counter = collections.Counter()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if key == "skipped" and isinstance(value, Mapping):
+                    totals.update({k: int(v) for k, v in value.items()})
+                else:
+                    visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    visit(state)
+    return {reason: totals[reason] for reason in sorted(totals) if totals[reason]}
+
+
+def count_samples(shard_list: shards_lib.ShardList) -> int | None:
+    """Samples in the shards from img2dataset's ``NNNNN_stats.json`` (``successes``); None if any is missing."""
+    import fsspec
+
+    total = 0
+    for url in shard_list.urls:
+        stats_url = url.rsplit(".", 1)[0] + "_stats.json"
+        try:
+            with fsspec.open(stats_url, "r") as f:
+                total += int(json.load(f)["successes"])
+        except (OSError, KeyError, ValueError, ImportError):
+            return None
+    return total
+
+
+def steps_per_epoch(cfg: TrainDataConfig, global_batch_size: int) -> int:
+    """Optimizer steps per (virtual) epoch, counted as OpenCLIP counts them so that schedules match:
+    ``ceil(train_num_samples / global_batch_size)`` rounded up to a multiple of ``workers``."""
+    num_samples = cfg.train_num_samples
+    if num_samples is None:
+        num_samples = count_samples(shards_lib.resolve_shards(cfg.shards, check_exists=cfg.check_shards_exist))
+    if num_samples is None:
+        raise ValueError(
+            f"cannot tell the epoch size of {cfg.shards!r}: set train_num_samples (no *_stats.json next to the shards)"
+        )
+    workers = max(1, cfg.workers)
+    return math.ceil(math.ceil(num_samples / global_batch_size) / workers) * workers
