@@ -150,3 +150,14 @@ def test_the_core_imports_neither_tensorflow_nor_clu_nor_torch():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_analytic_flops_match_open_clips_profile_of_vit_l_14():
+    from clip_jax.models.flops import forward_flops, image_forward_flops, text_forward_flops, train_flops
+
+    config = get_model_config("ViT-L-14")
+    # OpenCLIP's model profile: 162.03 GFLOP image + 13.30 text = 175.33 per sample forward.
+    assert image_forward_flops(config) / 1e9 == pytest.approx(162.03, abs=0.005)
+    assert text_forward_flops(config) / 1e9 == pytest.approx(13.30, abs=0.005)
+    assert forward_flops(config) / 1e9 == pytest.approx(175.33, abs=0.005)
+    assert train_flops(config, remat=True) == 4 * forward_flops(config)
