@@ -11,7 +11,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["clip_jax", "clip_jax.*"]),
-    package_data={"clip_jax": ["*.txt.gz", "*.txt"]},
+    package_data={"clip_jax": ["*.txt.gz", "*.txt", "evaluation/*.json"]},
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",

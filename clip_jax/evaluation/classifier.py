@@ -1,0 +1,81 @@
+"""The zero-shot classifier, by OpenCLIP's protocol.
+
+For each class, every prompt (a template filled with the class name) is encoded and L2-normalised; the class
+embedding is their mean, L2-normalised again. The classifier is the matrix of class embeddings [E, C], and an
+image's logits are `100 * image_features @ classifier`.
+"""
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from clip_jax.evaluation.sharded import encode_text_rows, replicate, round_up, shard_rows
+from clip_jax.models import l2_normalize
+from clip_jax.tokenizer import VOCAB_SIZE, tokenize
+
+LOGIT_SCALE = 100.0
+
+
+def check_vocabulary(model) -> None:
+    """Refuses a text tower too small for the tokenizer's vocabulary."""
+    vocab_size = model.config.text.vocab_size
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
+                         f"{VOCAB_SIZE} of the tokenizer; it cannot encode prompts or captions")
+
+
+def tokenize_for(model, texts: Sequence[str]) -> np.ndarray:
+    """Token ids int32 [N, L] at the model's context length."""
+    check_vocabulary(model)
+    return tokenize(list(texts), context_length=model.config.text.context_length)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _class_embeddings(features, num_classes, num_templates):
+    # features: [rows, E] normalised, rows >= num_classes * num_templates (padding at the end)
+    features = features[:num_classes * num_templates].reshape(num_classes, num_templates, -1)
+    return l2_normalize(jnp.mean(features, axis=1))  # [num_classes, E]
+
+
+def build_zeroshot_classifier(model, params, prompts: Sequence[Sequence[str]], mesh: Mesh, *,
+                              text_batch_size: int = 1024, progress: bool = False) -> np.ndarray:
+    """The classifier float32 [E, C] for `prompts` [C][T] (T prompts per class, the same T for every class).
+
+    Each step encodes the prompts of as many whole classes as fit in `text_batch_size` rows (at least one class;
+    rows rounded up to a multiple of the mesh size), split over the mesh. Every step has the same shape (the last
+    is padded), so the text tower compiles once per dataset.
+    """
+    if not prompts:
+        raise ValueError("no classes to build a zero-shot classifier for")
+    num_templates = len(prompts[0])
+    if num_templates == 0 or any(len(p) != num_templates for p in prompts):
+        raise ValueError("every class needs the same, non-zero number of prompts; got "
+                         f"{sorted({len(p) for p in prompts})}")
+    num_classes = len(prompts)
+    params = replicate(params, mesh)
+    classes_per_batch = min(num_classes, max(1, text_batch_size // num_templates))
+    rows = round_up(classes_per_batch * num_templates, mesh.size)
+    tokens = tokenize_for(model, [text for class_prompts in prompts for text in class_prompts])  # [C * T, L]
+
+    starts = range(0, num_classes, classes_per_batch)
+    if progress and jax.process_index() == 0:
+        import tqdm
+
+        starts = tqdm.tqdm(starts, desc="classifier", unit="class", unit_scale=classes_per_batch)
+    embeddings = []
+    for start in starts:
+        batch = tokens[start * num_templates:(start + classes_per_batch) * num_templates]
+        batch = np.concatenate([batch, np.zeros((rows - len(batch), batch.shape[1]), batch.dtype)])
+        features = encode_text_rows(model, mesh, params, shard_rows(batch, mesh))  # [rows, E], replicated
+        embeddings.append(_class_embeddings(features, classes_per_batch, num_templates))  # [classes_per_batch, E]
+    embeddings = np.concatenate([np.asarray(e) for e in embeddings])[:num_classes]  # [C, E]
+    return np.ascontiguousarray(embeddings.T)
+
+
+def zeroshot_logits(image_features, classifier):
+    """`100 * image_features @ classifier`: [B, E] x [E, C] -> [B, C], float32 at full precision."""
+    return LOGIT_SCALE * jnp.matmul(image_features, classifier, precision=jax.lax.Precision.HIGHEST)

@@ -1,0 +1,80 @@
+"""Image-text retrieval recall@k over webdataset shards of images with one or more captions each (COCO, Flickr).
+
+Images are encoded in batches split over the mesh, captions likewise; recall is computed on the host from the
+gathered features (see `metrics.retrieval_recall` for the definition and the tie rule). Every process reads and
+decodes all images (the sets are small: 5,000 images for COCO, 1,000 for Flickr30k).
+"""
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from clip_jax.data.eval_sets import RetrievalSet
+from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.evaluation.classifier import tokenize_for
+from clip_jax.evaluation.metrics import retrieval_recall
+from clip_jax.evaluation.sharded import encode_image_batch, encode_texts, replicate, round_up
+
+
+def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
+    """The first `n` images of the set and their captions."""
+    if n >= retrieval_set.num_images:
+        return retrieval_set
+    keep = int(np.searchsorted(retrieval_set.caption_image, n))  # captions are grouped by image, in image order
+    return RetrievalSet(retrieval_set.urls, retrieval_set.captions[:keep], retrieval_set.caption_image[:keep], n)
+
+
+def encode_retrieval_images(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *, batch_size: int,
+                            mean: Sequence[float], std: Sequence[float], progress: bool = False) -> np.ndarray:
+    """Normalised features float32 [N, E] of the set's first `num_images` images."""
+    bar = None
+    if progress:
+        import tqdm
+
+        bar = tqdm.tqdm(total=retrieval_set.num_images, desc="retrieval images", unit="img")
+    image_size = model.config.vision.image_size
+    features, count = [], 0
+    for images in retrieval_set.image_batches(batch_size=batch_size, image_size=image_size, mean=mean, std=std):
+        images = images[:retrieval_set.num_images - count]
+        real = len(images)
+        if real < batch_size:  # one shape for every step
+            images = np.concatenate([images, np.zeros((batch_size - real, *images.shape[1:]), images.dtype)])
+        features.append(encode_image_batch(model, params, images, mesh)[:real])
+        count += real
+        if bar is not None:
+            bar.update(real)
+        if count == retrieval_set.num_images:
+            break
+    if bar is not None:
+        bar.close()
+    if count != retrieval_set.num_images:
+        raise ValueError(f"the retrieval shards yielded {count} images, {retrieval_set.num_images} expected: they "
+                         "changed while being read")
+    return np.concatenate(features)
+
+
+def evaluate_retrieval(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *, batch_size: int = 256,
+                       mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
+                       ks: Sequence[int] = (1, 5, 10), text_batch_size: int = 1024,
+                       progress: bool = False) -> dict[str, float]:
+    """Recall@k image->text and text->image, plus `num_images` and `num_captions`. `batch_size` (at most the
+    number of images) is rounded up to a multiple of the number of devices."""
+    batch_size = round_up(min(batch_size, retrieval_set.num_images), mesh.size)
+    progress = progress and jax.process_index() == 0
+    params = replicate(params, mesh)
+    tokens = tokenize_for(model, retrieval_set.captions)
+    image_features = encode_retrieval_images(model, params, retrieval_set, mesh, batch_size=batch_size, mean=mean,
+                                             std=std, progress=progress)
+    bar = None
+    if progress:
+        import tqdm
+
+        bar = tqdm.tqdm(total=len(tokens), desc="retrieval captions", unit="caption")
+    text_features = encode_texts(model, params, tokens, mesh, text_batch_size, progress=bar.update if bar else None)
+    if bar is not None:
+        bar.close()
+    metrics = retrieval_recall(image_features, text_features, retrieval_set.caption_image, ks)
+    metrics.update(num_images=retrieval_set.num_images, num_captions=len(retrieval_set.captions))
+    return metrics
