@@ -1,0 +1,218 @@
+"""The train state and the jitted, sharded train step.
+
+`step(state, batch) -> (state, metrics)` takes a global batch split over the mesh axis `"data"`
+(`{"images": [B, H, W, 3] float32, "tokens": [B, context_length] int32}`), computes CLIP's contrastive loss
+over the whole batch, and applies one optimizer update. With `accum_steps = k > 1` the batch is processed as k
+micro-batches while the loss still sees every negative of the full batch (OpenCLIP's `--accum-freq`):
+
+1. features of every micro-batch, without gradients;
+2. loss and its gradient with respect to the features, on the full batch;
+3. per micro-batch, the forward again and a backward (a VJP) seeded with that micro-batch's feature gradients;
+   the parameter gradients add up to the full-batch gradient.
+"""
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from clip_jax.loss import contrastive_loss_and_accuracy
+from clip_jax.models import init_params
+from clip_jax.optim import clamp_logit_scale
+from clip_jax.parallel import DATA_AXIS, batch_sharding, replicated, state_shardings
+
+
+class TrainState(NamedTuple):
+    """Everything a run needs to continue: a plain pytree of arrays, as Orbax saves it."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar: batches consumed (updates applied, or skipped as non-finite)
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def create_train_state(
+    model, optimizer: optax.GradientTransformation, mesh: Mesh, *, rng=None, params=None, fsdp: bool = False
+) -> tuple[TrainState, Any]:
+    """(state, its shardings): fresh params from `rng`, or the given `params`, laid out on `mesh`.
+
+    Fresh params are initialised directly in their shardings, so no device ever holds more than its part.
+    """
+    if (rng is None) == (params is None):
+        raise ValueError(
+            "create_train_state: pass exactly one of rng= (fresh init) or params= (existing weights)"
+        )
+    if params is None:
+
+        def init(rng):
+            return init_train_state(init_params(model, rng), optimizer)
+
+        source = rng
+    else:
+
+        def init(params):
+            return init_train_state(params, optimizer)
+
+        source = params
+    shardings = state_shardings(jax.eval_shape(init, source), mesh, fsdp=fsdp)
+    return jax.jit(init, out_shardings=shardings)(source), shardings
+
+
+def split_micro_batches(x, accum_steps: int, n_shards: int):
+    """[B, ...] -> [k, B / k, ...], micro-batch j taking rows j*m..(j+1)*m-1 of every shard (m = B / (n k)).
+
+    Each micro-batch is then split over the devices as evenly as the batch was, with no data movement.
+    """
+    rows_per_shard = x.shape[0] // (n_shards * accum_steps)
+    x = x.reshape(n_shards, accum_steps, rows_per_shard, *x.shape[1:])
+    return x.swapaxes(0, 1).reshape(accum_steps, n_shards * rows_per_shard, *x.shape[3:])
+
+
+def merge_micro_batches(x, n_shards: int):
+    """Inverse of `split_micro_batches`: [k, B / k, ...] -> [B, ...] in the original row order."""
+    accum_steps, micro_batch = x.shape[:2]
+    rows_per_shard = micro_batch // n_shards
+    x = x.reshape(accum_steps, n_shards, rows_per_shard, *x.shape[2:]).swapaxes(0, 1)
+    return x.reshape(accum_steps * micro_batch, *x.shape[3:])
+
+
+def global_norm(tree) -> jax.Array:
+    """sqrt of the sum of squares of every leaf, accumulated in fp32 also for bf16 leaves."""
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares))
+
+
+def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch):
+    """(loss, accuracy, logit_scale, grads) from one forward and backward over the whole batch."""
+
+    def loss_on_params(params):
+        image_features, text_features, logit_scale = forward(params, batch)
+        loss, accuracy = loss_fn(image_features, text_features, logit_scale)
+        return loss, (accuracy, logit_scale)
+
+    (loss, (accuracy, logit_scale)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
+    return loss, accuracy, logit_scale, grads
+
+
+def accumulated_grads(
+    forward: Callable, loss_fn: Callable, params, batch, *, accum_steps: int, mesh: Mesh, grad_shardings
+):
+    """(loss, accuracy, logit_scale, grads) over k micro-batches, the loss still seeing the whole batch.
+
+    Equal to `full_batch_grads` up to rounding; holds the activations of one micro-batch at a time.
+    """
+    n_shards = mesh.shape[DATA_AXIS]
+    micro_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [k, B / k, ...]
+
+    def split(x):
+        return jax.lax.with_sharding_constraint(split_micro_batches(x, accum_steps, n_shards), micro_sharding)
+
+    micro_batches = jax.tree.map(split, batch)
+
+    # 1. features of every micro-batch, no gradients
+    _, (image_features, text_features, logit_scales) = jax.lax.scan(
+        lambda _, micro_batch: (None, forward(params, micro_batch)), None, micro_batches
+    )
+    image_features = merge_micro_batches(image_features, n_shards)  # [B, E]
+    text_features = merge_micro_batches(text_features, n_shards)
+    logit_scale = logit_scales[0]  # the same in every micro-batch
+
+    # 2. the loss over the whole batch and its gradient with respect to the features
+    (loss, accuracy), (image_grads, text_grads, scale_grad) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1, 2), has_aux=True
+    )(image_features, text_features, logit_scale)
+
+    # 3. per micro-batch: forward again, backward seeded with its feature gradients; the sum is the gradient
+    def backward(grad_sum, inputs):
+        micro_batch, micro_image_grads, micro_text_grads = inputs
+        _, pullback = jax.vjp(lambda p: forward(p, micro_batch), params)
+        # the scale is shared: each micro-batch carries 1/k of its gradient
+        (grads,) = pullback((micro_image_grads, micro_text_grads, scale_grad / accum_steps))
+        return jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grad_sum, grads), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)  # split like the params under FSDP
+    grad_sum, _ = jax.lax.scan(backward, zeros, (micro_batches, split(image_grads), split(text_grads)))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
+    return loss, accuracy, logit_scale, grads
+
+
+def make_train_step(
+    model,
+    optimizer: optax.GradientTransformation,
+    learning_rate_fn: Callable,
+    mesh: Mesh,
+    shardings: TrainState,
+    *,
+    accum_steps: int = 1,
+) -> Callable:
+    """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated.
+
+    `shardings`: the train state's shardings, from `create_train_state`. metrics: `loss`, `accuracy` (top-1 of
+    the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
+    `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the
+    update was skipped for a non-finite loss or gradient).
+    """
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+    n_shards = mesh.shape[DATA_AXIS]
+
+    def forward(params, batch):
+        return model.apply({"params": params}, batch["images"], batch["tokens"])
+
+    def loss_fn(image_features, text_features, logit_scale):
+        return contrastive_loss_and_accuracy(image_features, text_features, logit_scale, mesh=mesh)
+
+    if accum_steps == 1:
+        compute_grads = partial(full_batch_grads, forward, loss_fn)
+    else:
+        compute_grads = partial(
+            accumulated_grads,
+            forward,
+            loss_fn,
+            accum_steps=accum_steps,
+            mesh=mesh,
+            grad_shardings=shardings.params,
+        )
+
+    def step(state: TrainState, batch):
+        batch_size = batch["images"].shape[0]
+        if batch_size % (n_shards * accum_steps):
+            raise ValueError(
+                f"train step: global batch {batch_size} must be divisible by devices x accum_steps = "
+                f"{n_shards} x {accum_steps}"
+            )
+        loss, accuracy, logit_scale, grads = compute_grads(state.params, batch)
+        grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
+        grad_norm = global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = clamp_logit_scale(optax.apply_updates(state.params, updates))
+        # A non-finite loss or gradient skips the update: params and optimizer state stay as they were. The
+        # step still counts (it consumed a batch); the trainer counts skips and decides when to roll back.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {
+            "loss": loss,
+            "accuracy": accuracy,
+            "logit_scale": logit_scale,
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate_fn(state.step),
+            "finite": finite,
+        }
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, replicated(mesh)),
+        donate_argnums=0,
+    )

@@ -1,0 +1,187 @@
+"""One sharded train step on 8 devices equals the same step on 1; accumulation equals the full batch."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from clip_jax.models import create_model, init_params
+from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch
+from clip_jax.train_step import (
+    TrainState,
+    create_train_state,
+    make_train_step,
+    merge_micro_batches,
+    split_micro_batches,
+)
+
+TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
+}
+GLOBAL_BATCH = 32
+SGD_LR = 0.5  # plain SGD, so the parameter change is the gradient itself (Adam's first step is ~sign(grad))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(TINY)
+
+
+@pytest.fixture(scope="module")
+def params(model):
+    return jax.tree.map(np.asarray, init_params(model, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    return {
+        "images": rng.normal(size=(GLOBAL_BATCH, 32, 32, 3)).astype(np.float32),
+        "tokens": rng.integers(1, 1000, size=(GLOBAL_BATCH, 16)).astype(np.int32),
+    }
+
+
+def sgd_step(model, params, batch, *, n_devices, accum_steps=1, fsdp=False):
+    """(params after one SGD step as numpy, metrics) on the first `n_devices` devices."""
+    mesh = create_mesh(jax.devices()[:n_devices])
+    tx = optax.sgd(SGD_LR)
+    state, shardings = create_train_state(model, tx, mesh, params=params, fsdp=fsdp)
+    step = make_train_step(model, tx, lambda s: SGD_LR, mesh, shardings, accum_steps=accum_steps)
+    state, metrics = step(state, make_global_batch(batch, mesh))
+    return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
+
+
+def assert_same_update(params, after, expected_after, rtol=1e-4):
+    """The parameter changes agree leaf by leaf (relative to the size of the change)."""
+    for path, before in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(path)
+        delta = np.asarray(_get(after, path), np.float64) - before
+        expected = np.asarray(_get(expected_after, path), np.float64) - before
+        scale = np.linalg.norm(expected)
+        assert scale > 0, name
+        assert np.linalg.norm(delta - expected) <= rtol * scale, name
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+@pytest.fixture(scope="module")
+def one_device_step(model, params, batch):
+    return sgd_step(model, params, batch, n_devices=1)
+
+
+@pytest.fixture(scope="module")
+def eight_device_step(model, params, batch):
+    return sgd_step(model, params, batch, n_devices=8)
+
+
+def test_eight_devices_equal_one_device(params, one_device_step, eight_device_step):
+    (after_1, metrics_1), (after_8, metrics_8) = one_device_step, eight_device_step
+    assert_same_update(params, after_8, after_1)
+    for name in ("loss", "accuracy", "logit_scale", "grad_norm"):
+        assert metrics_8[name] == pytest.approx(metrics_1[name], rel=1e-5), name
+    assert np.isfinite(metrics_1["loss"]) and metrics_1["loss"] > 0
+    assert metrics_1["learning_rate"] == SGD_LR
+    # SGD moved every parameter by -lr * grad: the reported norm is the norm of that move over lr
+    moves = jax.tree.map(lambda a, b: (np.float64(a) - b) / SGD_LR, params, after_1)
+    grad_norm = np.sqrt(sum(np.sum(m**2) for m in jax.tree.leaves(moves)))
+    assert metrics_1["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+
+
+def test_fsdp_equals_replicated(model, params, batch, eight_device_step):
+    after, metrics = sgd_step(model, params, batch, n_devices=8, fsdp=True)
+    assert_same_update(params, after, eight_device_step[0])
+    assert metrics["loss"] == pytest.approx(eight_device_step[1]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("accum_steps", [4])  # micro-batches of one row per device
+def test_accumulation_with_fsdp_and_remat_equals_full_batch(params, batch, eight_device_step, accum_steps):
+    remat_model = create_model(TINY, remat_policy="nothing_saveable")
+    after, metrics = sgd_step(remat_model, params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True)
+    assert_same_update(params, after, eight_device_step[0])
+    for name in ("loss", "accuracy", "logit_scale", "grad_norm"):
+        assert metrics[name] == pytest.approx(eight_device_step[1][name], rel=1e-5), name
+
+
+def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(model, params, batch):
+    mesh = create_mesh()
+    schedule = warmup_cosine_schedule(1e-3, warmup_steps=5, total_steps=100)
+    tx = create_optimizer(schedule, weight_decay=0.2, grad_clip_norm=1.0)
+    start = {**params, "logit_scale": np.float32(4.7)}  # above ln(100): the step must clamp it
+    state, shardings = create_train_state(model, tx, mesh, params=start, fsdp=True)
+
+    kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [layers, 64, 256]
+    assert kernel.sharding.spec == P(None, None, "data")
+    assert kernel.addressable_shards[0].data.shape == (2, 64, 32)
+    adam_state = state.opt_state[1][0]
+    assert adam_state.mu["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(
+        None, None, "data"
+    )
+    assert state.params["visual"]["ln_pre"]["scale"].sharding.spec == P()  # small: replicated
+
+    step = make_train_step(model, tx, schedule, mesh, shardings)
+    old_kernel = kernel
+    for expected_step in (1, 2):
+        state, metrics = step(state, make_global_batch(batch, mesh))
+        assert int(state.step) == expected_step
+        assert metrics["learning_rate"] == pytest.approx(1e-3 * expected_step / 5)
+        if expected_step == 1:  # Adam moved it by about lr from 4.7: still above the bound, so clamped
+            assert float(state.params["logit_scale"]) == pytest.approx(math.log(100), rel=1e-7)
+        assert float(state.params["logit_scale"]) <= np.float32(math.log(100))
+    assert old_kernel.is_deleted()  # the old state was donated
+    assert state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(
+        None, None, "data"
+    )
+    assert isinstance(state, TrainState) and np.isfinite(metrics["loss"])
+
+
+def test_micro_batches_take_rows_from_every_shard_and_merge_back():
+    x = np.arange(16)  # 4 shards of 4 rows, 2 micro-batches of 8
+    micro = np.asarray(split_micro_batches(jnp.asarray(x), accum_steps=2, n_shards=4))
+    np.testing.assert_array_equal(micro, [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]])
+    np.testing.assert_array_equal(merge_micro_batches(micro, n_shards=4), x)
+
+
+def test_batch_not_divisible_by_devices_times_micro_batches_is_rejected(model, params, batch):
+    mesh = create_mesh()
+    tx = optax.sgd(0.1)
+    state, shardings = create_train_state(model, tx, mesh, params=params)
+    step = make_train_step(model, tx, lambda s: 0.1, mesh, shardings, accum_steps=3)
+    with pytest.raises(ValueError, match="divisible by devices x accum_steps = 8 x 3"):
+        step(state, make_global_batch(batch, mesh))
+
+
+def test_global_batch_from_process_rows():
+    mesh = create_mesh()
+    rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    global_batch = make_global_batch({"images": rows}, mesh)
+    assert global_batch["images"].sharding.is_equivalent_to(batch_sharding(mesh), 2)
+    np.testing.assert_array_equal(global_batch["images"], rows)
+    with pytest.raises(ValueError, match="multiple of the 8 local devices"):
+        make_global_batch({"images": rows[:12]}, mesh)
+
+
+def test_fsdp_spec_splits_the_largest_divisible_dim_and_keeps_layers_and_small_leaves_whole():
+    assert fsdp_spec((1024, 4096), 8) == P(None, "data")
+    assert fsdp_spec((4096, 1000), 8) == P("data", None)
+    assert fsdp_spec((24, 1024, 3072), 8, stacked=True) == P(None, None, "data")
+    assert fsdp_spec((64, 300), 8, stacked=True, min_size=1) == P()  # only the layer axis divides
+    assert fsdp_spec((257, 1023), 8, min_size=1) == P()  # nothing divides
+    assert fsdp_spec((8, 8), 8) == P()  # too small to be worth splitting
+    assert fsdp_spec((1024, 4096), 1) == P()
+
+
+def test_create_train_state_needs_exactly_one_source(model):
+    mesh = create_mesh()
+    with pytest.raises(ValueError, match="exactly one of rng="):
+        create_train_state(model, optax.sgd(0.1), mesh)
