@@ -1,0 +1,98 @@
+"""A run's checkpoints: the train state, the data iterator's position and run metadata, saved together by Orbax.
+
+Layout: `RUN_DIR/checkpoints/STEP/{state,data_iter,meta}`. Saves are asynchronous; Orbax writes each step to a
+temporary folder and renames it only when complete, so a crash or `kill -9` mid-save leaves the previous checkpoint
+intact and the half-written one is never listed. Every process takes part: each writes its shards of the state and
+its own data-iterator position.
+"""
+
+import os
+import re
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+STATE, DATA_ITER, META = "state", "data_iter", "meta"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    pass
+
+
+class RunCheckpoints:
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state, data_iterator, meta: dict, *, force: bool = False) -> bool:
+        """Starts saving (returns before the write finishes); a step already saved is skipped."""
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(state),
+            DATA_ITER: grain.checkpoint.CheckpointSave(data_iterator),
+            META: ocp.args.JsonSave(meta),
+        })
+        return self._manager.save(step, args=args, force=force)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, dict]:
+        """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is a pytree of
+        `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast to those
+        dtypes, so a run can resume on another mesh size or under another precision policy."""
+        if step not in self._manager.all_steps():
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
+                                          f"saved steps: {self.all_steps() or 'none'}")
+        items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
+        if data_iterator is not None:
+            items[DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iterator)
+        args = ocp.args.Composite(**items)
+        restored = self._manager.restore(step, args=args)
+        return restored[STATE], dict(restored[META])
+
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def abstract_like(state, shardings):
+    """`jax.ShapeDtypeStruct` leaves with the given shardings, for `RunCheckpoints.restore`."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+
+def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
+    """(checkpoints directory, step) that `resume` names: "latest" is the newest checkpoint of this run (None when
+    there is none: the run starts fresh, so one command both starts and continues a preemptible job); a run
+    directory means its newest checkpoint; `.../checkpoints/STEP` that step."""
+    if resume == "latest":
+        directory = os.path.join(run_dir, "checkpoints")
+        return directory, latest_complete_step(directory)
+    path = os.path.abspath(resume)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"resume={resume!r} does not exist")
+    if re.fullmatch(r"\d+", os.path.basename(path)) and os.path.isdir(os.path.join(path, STATE)):
+        return os.path.dirname(path), int(os.path.basename(path))
+    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    step = latest_complete_step(directory)
+    if step is None:
+        raise CheckpointNotFoundError(f"resume={resume!r}: no complete checkpoint in {directory}")
+    return directory, step
+
+
+def latest_complete_step(directory: str) -> int | None:
+    """The newest complete step under `directory` (Orbax's temporary folders of unfinished saves are not steps)."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory)
+             if re.fullmatch(r"\d+", name) and os.path.isdir(os.path.join(directory, name, STATE))]
+    return max(steps, default=None)

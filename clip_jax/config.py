@@ -1,0 +1,113 @@
+"""The training config: every field with its default, and the checks that run before anything is compiled.
+
+Field names are OpenCLIP's command-line flags with underscores (`--train-data` -> `train_data`), so an OpenCLIP
+launch script translates line by line; fields OpenCLIP lacks are named in the same style. The files in `configs/`
+start from `default_config()` and change what their run needs.
+"""
+
+import os
+
+import ml_collections
+
+from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+
+PRECISIONS = ("fp32", "bf16", "pure_bf16")
+INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
+REPORT_TO = ("tensorboard", "none")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    # Model and preprocessing.
+    c.model = "ViT-B-32"  # a registered name or an OpenCLIP model-config .json
+    c.image_mean = OPENAI_MEAN
+    c.image_std = OPENAI_STD
+
+    # Data: webdataset shards ("/data/{00000..23295}.tar", sources joined with "::").
+    c.train_data = ""
+    c.train_data_upsampling_factors = ""  # per-source weights "1::2" (resampled mode)
+    c.train_num_samples = 0  # samples per (virtual) epoch; 0: counted from the shards' *_stats.json
+    c.dataset_resampled = True  # draw shards with replacement (else every shard once per epoch)
+    c.workers = 4  # data worker processes per training process
+    c.shuffle_window = 1000
+
+    # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
+    c.batch_size = 64
+    c.accum_freq = 1
+    c.epochs = 32
+    c.lr = 5e-4
+    c.warmup = 10_000
+    c.wd = 0.2
+    c.beta1 = 0.9
+    c.beta2 = 0.98
+    c.eps = 1e-6
+    c.grad_clip_norm = 0.0  # 0: no clipping
+
+    # Precision and memory.
+    c.precision = "bf16"  # fp32 | bf16 | pure_bf16; may change when resuming
+    c.grad_checkpointing = True  # rematerialise every residual block ...
+    c.remat_policy = "nothing_saveable"  # ... under this jax.checkpoint policy
+    c.fsdp = False  # shard params and optimizer state over the data axis (ZeRO-3)
+    c.attention_impl = "auto"  # auto | xla | cudnn
+
+    # Run directory, checkpoints, resumption.
+    c.logs = "./logs"
+    c.name = ""  # run name; "" makes one from the model and the start time
+    c.resume = ""  # "latest" (start fresh when there is none), or a checkpoint / run directory
+    c.save_frequency = 1  # save every this many (virtual) epochs
+    c.save_every_steps = 0  # and every this many steps (0: off)
+    c.keep = 3  # checkpoints kept
+
+    # Evaluation.
+    c.zeroshot_frequency = 1  # zero-shot eval every this many epochs, and at the end (0: never)
+    c.zeroshot_data = ""  # "demo" (bundled Fashion-MNIST test split) or an image folder (ImageNet val layout)
+    c.zeroshot_samples = 0  # evaluate on the first N images only (0: all)
+
+    # Metrics.
+    c.report_to = "tensorboard"  # tensorboard | none (the console always gets progress lines)
+    c.log_every_n_steps = 100
+    c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
+
+    # Faults.
+    c.nan_patience = 3  # consecutive non-finite steps before rolling back
+    c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
+    c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
+    c.fault_nan_steps = ""  # test hook: comma-separated steps whose batch is made NaN
+
+    c.seed = 0
+    return c
+
+
+def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
+    """Raises ValueError naming the field and what to do, for every mistake that can be seen before compiling."""
+    problems = []
+    if not c.train_data:
+        problems.append("train_data is empty: give the shard pattern, e.g. --config.train_data='/data/{00000..00099}.tar'")
+    if c.precision not in PRECISIONS:
+        problems.append(f"precision={c.precision!r}: choose one of {PRECISIONS}")
+    if c.on_instability not in INSTABILITY_ACTIONS:
+        problems.append(f"on_instability={c.on_instability!r}: choose one of {INSTABILITY_ACTIONS}")
+    if c.report_to not in REPORT_TO:
+        problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
+    if c.attention_impl not in ("auto", "xla", "cudnn"):
+        problems.append(f"attention_impl={c.attention_impl!r}: choose auto, xla or cudnn")
+    for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps", "nan_patience"):
+        if c[field] < 1:
+            problems.append(f"{field}={c[field]} must be at least 1")
+    for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
+                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples"):
+        if c[field] < 0:
+            problems.append(f"{field}={c[field]} must not be negative")
+    if c.batch_size >= 1 and c.accum_freq >= 1 and c.batch_size % c.accum_freq:
+        problems.append(f"batch_size={c.batch_size} (per device) is not divisible by accum_freq={c.accum_freq}")
+    if num_devices % process_count:
+        problems.append(f"{num_devices} devices do not split evenly over {process_count} processes")
+    if len(c.image_mean) != 3 or len(c.image_std) != 3:
+        problems.append("image_mean and image_std need 3 values each")
+    if c.resume and c.resume != "latest" and not os.path.exists(c.resume):
+        problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
+    if c.zeroshot_data and c.zeroshot_data != "demo" and not os.path.isdir(c.zeroshot_data):
+        problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder")
+    if problems:
+        raise ValueError("bad config:\n  " + "\n  ".join(problems))

@@ -1,0 +1,83 @@
+"""Training metrics: clu collections averaged over the logging window, written to TensorBoard and the console.
+
+clu's own `metric_writers` import TensorFlow; TensorBoard event files are written here with the `tensorboard`
+package alone, which needs no TensorFlow.
+"""
+
+import math
+import os
+import time
+
+import flax
+import jax
+from clu import metrics as clu_metrics
+
+
+@flax.struct.dataclass
+class TrainMetrics(clu_metrics.Collection):
+    """Per-step outputs of the train step, averaged over the steps of one logging window (on device, no sync)."""
+
+    loss: clu_metrics.Average.from_output("loss")
+    accuracy: clu_metrics.Average.from_output("accuracy")
+    logit_scale: clu_metrics.Average.from_output("logit_scale")
+    grad_norm: clu_metrics.Average.from_output("grad_norm")
+    learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+
+
+class TensorBoardWriter:
+    """Scalars to a TensorBoard event file."""
+
+    def __init__(self, logdir: str):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(logdir)
+
+    def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()
+                  if v is not None and math.isfinite(float(v))]
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
+                                           summary=self._summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{seconds:02d}s"
+
+
+def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, float]) -> str:
+    """One line a person reads: where the run is, how it learns, how fast it goes."""
+    parts = [f"step {step}/{total_steps}", f"epoch {epoch:.2f}",
+             f"loss {scalars['loss']:.4f}", f"acc {scalars['accuracy']:.3f}",
+             f"scale {scalars['logit_scale']:.2f}", f"lr {scalars['learning_rate']:.3g}",
+             f"gnorm {scalars['grad_norm']:.3g}",
+             f"{scalars['samples_per_sec']:,.0f} samples/s ({scalars['samples_per_sec_per_device']:,.1f}/device)"]
+    if scalars.get("mfu") is not None:
+        parts.append(f"MFU {100 * scalars['mfu']:.1f}%")
+    parts.append(f"data wait {100 * scalars['data_wait_fraction']:.0f}%")
+    if scalars.get("skipped_samples"):
+        parts.append(f"skipped {int(scalars['skipped_samples'])}")
+    if scalars.get("skipped_updates"):
+        parts.append(f"non-finite {int(scalars['skipped_updates'])}")
+    parts.append(f"ETA {format_duration(scalars['eta_seconds'])}")
+    return " | ".join(parts)
+
+
+def window_scalars(collection: TrainMetrics) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(collection.compute()).items()}

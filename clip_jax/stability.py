@@ -1,0 +1,39 @@
+"""When a run is unstable: too many non-finite steps in a row, or a loss spike above its recent mean."""
+
+import collections
+import math
+
+
+class InstabilityMonitor:
+    """Fed every step's loss and finiteness; returns the reason to roll back, or None.
+
+    A non-finite step is skipped by the train step itself; `nan_patience` of them in a row call for a rollback.
+    A finite loss above `spike_factor` x the mean of the last `window` finite losses (once `min_history` are known)
+    is a spike; `spike_factor=0` turns that check off. Spikes and non-finite losses do not enter the history.
+    """
+
+    def __init__(self, nan_patience: int, spike_factor: float = 0.0, window: int = 20, min_history: int = 10):
+        if nan_patience < 1:
+            raise ValueError(f"nan_patience must be at least 1, got {nan_patience}")
+        self.nan_patience, self.spike_factor, self.min_history = nan_patience, spike_factor, min_history
+        self.history: collections.deque = collections.deque(maxlen=window)
+        self.non_finite_in_a_row = 0
+
+    def observe(self, loss: float, finite: bool) -> str | None:
+        if not finite or not math.isfinite(loss):
+            self.non_finite_in_a_row += 1
+            if self.non_finite_in_a_row >= self.nan_patience:
+                return f"{self.non_finite_in_a_row} non-finite steps in a row"
+            return None
+        self.non_finite_in_a_row = 0
+        if self.spike_factor and len(self.history) >= self.min_history:
+            mean = sum(self.history) / len(self.history)
+            if loss > self.spike_factor * mean:
+                return f"loss spike {loss:.4f} > {self.spike_factor} x recent mean {mean:.4f}"
+        self.history.append(loss)
+        return None
+
+    def reset(self) -> None:
+        """After a rollback: the history belongs to the abandoned trajectory."""
+        self.history.clear()
+        self.non_finite_in_a_row = 0

@@ -1,0 +1,406 @@
+"""Train CLIP: `python -m clip_jax.train --config configs/demo.py [--config.lr=5e-4 ...]`.
+
+Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step loop -> checkpoints, zero-shot
+eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
+`metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
+`--config.resume=latest` continues exactly where the last checkpoint left off.
+"""
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from clip_jax import data
+from clip_jax.checkpoint import RunCheckpoints, abstract_like, latest_complete_step, resolve_resume
+from clip_jax.config import check_config
+from clip_jax.hardware import gpu_for_device_kind
+from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
+from clip_jax.models import create_model, init_params
+from clip_jax.models.flops import train_flops
+from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+from clip_jax.parallel import create_mesh, make_global_batch, state_shardings
+from clip_jax.precision import get_policy
+from clip_jax.stability import InstabilityMonitor
+from clip_jax.train_step import init_train_state, make_train_step
+
+log = logging.getLogger("clip_jax.train")
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+
+
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+
+
+class TrainingUnstable(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Numbers the config implies on this mesh."""
+
+    global_batch: int
+    steps_per_epoch: int
+    total_steps: int
+
+    def epoch(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+
+def data_config(config) -> data.TrainDataConfig:
+    return data.TrainDataConfig(
+        shards=config.train_data, weights=config.train_data_upsampling_factors or None,
+        resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None, seed=config.seed,
+        workers=config.workers, shuffle_window=config.shuffle_window)
+
+
+def make_schedule(config, num_devices: int) -> Schedule:
+    global_batch = config.batch_size * num_devices
+    steps_per_epoch = data.steps_per_epoch(data_config(config), global_batch)
+    return Schedule(global_batch, steps_per_epoch, steps_per_epoch * config.epochs)
+
+
+@dataclasses.dataclass
+class Engine:
+    """What one precision policy compiles: the model, the optimizer and the jitted step, with the state's layout."""
+
+    precision: str
+    model: object
+    optimizer: object
+    abstract_state: object  # ShapeDtypeStructs with shardings
+    shardings: object
+    step_fn: object
+
+
+def build_engine(config, precision: str, mesh, schedule: Schedule) -> Engine:
+    policy = get_policy(precision)
+    model = create_model(config.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                         remat_policy=config.remat_policy if config.grad_checkpointing else "none",
+                         attention_impl=None if config.attention_impl == "auto" else config.attention_impl)
+    lr_fn = warmup_cosine_schedule(config.lr, config.warmup, schedule.total_steps)
+    optimizer = create_optimizer(lr_fn, weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
+                                 grad_clip_norm=config.grad_clip_norm or None)
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    shardings = state_shardings(shapes, mesh, fsdp=config.fsdp)
+    step_fn = make_train_step(model, optimizer, lr_fn, mesh, shardings, accum_steps=config.accum_freq)
+    return Engine(precision, model, optimizer, abstract_like(shapes, shardings), shardings, step_fn)
+
+
+def fresh_state(engine: Engine, seed: int):
+    init = lambda rng: init_train_state(init_params(engine.model, rng), engine.optimizer)  # noqa: E731
+    return jax.jit(init, out_shardings=engine.shardings)(jax.random.key(seed))
+
+
+def run_name(config) -> str:
+    if config.name:
+        return config.name
+    if config.resume == "latest":
+        raise ValueError("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
+    # One timestamp for all processes: process 0's.
+    stamp = int(time.time()) if jax.process_count() == 1 else int(
+        jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
+    model = os.path.basename(config.model).removesuffix(".json")
+    return f"{model}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}"
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT instead of dying mid-step; a second SIGINT interrupts at once."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every process once any process got a signal (they then save the same step)."""
+        flag = self.received is not None
+        if jax.process_count() > 1:
+            flag = bool(np.any(jax.experimental.multihost_utils.process_allgather(np.int32(flag))))
+        return flag
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class Trainer:
+    """Holds the run's moving parts and drives the step loop."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.is_main = jax.process_index() == 0
+        check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
+        self.mesh = create_mesh()
+        self.schedule = make_schedule(config, jax.device_count())
+        self.run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
+        resume_dir, resume_step = (None, None)
+        if config.resume:
+            resume_dir, resume_step = resolve_resume(config.resume, self.run_dir)
+        elif latest_complete_step(os.path.join(self.run_dir, "checkpoints")) is not None:
+            raise ValueError(f"run directory {self.run_dir} already has checkpoints: continue it with "
+                             "--config.resume=latest, or start another run with --config.name=...")
+        self.engine = build_engine(config, config.precision, self.mesh, self.schedule)
+        self.data_iter = data.build_train_iterator(
+            data_config(config), global_batch_size=self.schedule.global_batch,
+            image_size=self.engine.model.config.vision.image_size, mean=tuple(config.image_mean),
+            std=tuple(config.image_std), process_index=jax.process_index(), process_count=jax.process_count(),
+            context_length=self.engine.model.config.text.context_length)
+        self.checkpoints = RunCheckpoints(os.path.join(self.run_dir, "checkpoints"), keep=config.keep)
+        self.skipped_updates = 0
+        self.rollbacks = 0
+        self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
+        self.fault_nan_steps = {int(s) for s in config.fault_nan_steps.split(",") if s.strip()}
+        if resume_step is not None:
+            self.state, meta = self._restore(resume_dir, resume_step, with_data=True)
+            self.skipped_updates = int(meta.get("skipped_updates", 0))
+            self.rollbacks = int(meta.get("rollbacks", 0))
+            self._say(f"resumed {resume_dir}/{resume_step} (saved under {meta.get('precision')}, "
+                      f"continuing under {self.engine.precision})")
+        else:
+            if config.resume == "latest":
+                self._say(f"no checkpoint in {self.run_dir} yet: starting fresh")
+            self.state = fresh_state(self.engine, config.seed)
+        self.step = int(jax.device_get(self.state.step))
+        self.writer = None
+        if self.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                f.write(config.to_json(indent=2))
+            if config.report_to == "tensorboard":
+                self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
+        self.flops_per_sample = train_flops(self.engine.model.config, remat=config.grad_checkpointing)
+
+    # -- output ---------------------------------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
+
+    def _record(self, step: int, scalars: dict) -> None:
+        if not self.is_main:
+            return
+        if self.writer is not None:
+            self.writer.write_scalars(step, scalars)
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def _meta(self) -> dict:
+        return {"step": self.step, "samples_seen": self.step * self.schedule.global_batch,
+                "epoch": self.schedule.epoch(self.step), "precision": self.engine.precision,
+                "model": self.engine.model.config.name, "global_batch": self.schedule.global_batch,
+                "skipped_updates": self.skipped_updates, "rollbacks": self.rollbacks}
+
+    def save(self, force: bool = False) -> None:
+        if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
+            log.info("saving checkpoint %d", self.step)
+
+    def _restore(self, directory: str, step: int, *, with_data: bool):
+        checkpoints = self.checkpoints if directory == self.checkpoints.directory else RunCheckpoints(directory)
+        return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None)
+
+    def _save_due(self) -> bool:
+        c, s = self.config, self.step
+        at_epoch_end = s % self.schedule.steps_per_epoch == 0
+        return (s == self.schedule.total_steps
+                or (at_epoch_end and (s // self.schedule.steps_per_epoch) % c.save_frequency == 0)
+                or (c.save_every_steps > 0 and s % c.save_every_steps == 0))
+
+    # -- instability ----------------------------------------------------------------------------------------
+
+    def _roll_back(self, reason: str) -> None:
+        """Back to the last checkpoint (the data iterator keeps going: the batches that led here are not
+        replayed), under fp32 if so configured."""
+        action = self.config.on_instability
+        self.checkpoints.wait()
+        step = self.checkpoints.latest_step()
+        if action == "stop" or step is None:
+            raise TrainingUnstable(f"{reason} at step {self.step}; "
+                                   + ("stopping (on_instability='stop')" if step is not None
+                                      else "no checkpoint to roll back to yet"))
+        if self.rollbacks_to.get(step, 0) >= MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+            raise TrainingUnstable(f"{reason} at step {self.step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} rollbacks "
+                                   f"to checkpoint {step}: stopping. Lower the learning rate, or resume under "
+                                   "--config.precision=fp32")
+        self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
+        if action == "rollback_fp32" and self.engine.precision != "fp32":
+            self.engine = build_engine(self.config, "fp32", self.mesh, self.schedule)
+        self.state, _ = self.checkpoints.restore(step, self.engine.abstract_state, None)
+        self.rollbacks += 1
+        self._say(f"{reason} at step {self.step}: rolled back to checkpoint {step}, continuing under "
+                  f"{self.engine.precision} (rollback #{self.rollbacks})")
+        self.step = step
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _next_batch(self) -> dict:
+        batch = next(self.data_iter)
+        if self.step in self.fault_nan_steps:  # once: a rollback replays the step number with new data
+            self.fault_nan_steps.discard(self.step)
+            batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
+        return make_global_batch(batch, self.mesh)
+
+    def _peak_flops(self) -> float | None:
+        if self.config.peak_tflops_per_device:
+            return self.config.peak_tflops_per_device * 1e12
+        gpu = gpu_for_device_kind(jax.devices()[0].device_kind)
+        return gpu.peak_tflops(self.engine.precision) * 1e12 if gpu else None
+
+    def train(self) -> dict:
+        c, schedule = self.config, self.schedule
+        self._say(f"run {self.run_dir}: {self.engine.model.config.name}, {jax.device_count()} devices, global batch "
+                  f"{schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
+                  f"{schedule.total_steps} steps, precision {self.engine.precision}")
+        stop = StopSignal()
+        monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)
+        window = None
+        window_start, window_steps, data_wait, first_step = time.perf_counter(), 0, 0.0, True
+        try:
+            while self.step < schedule.total_steps:
+                if stop.agreed():
+                    self.save(force=True)
+                    self.checkpoints.wait()
+                    self._say(f"{stop.received or 'stop signal'}: saved checkpoint {self.step} in {self.run_dir}; "
+                              "exiting. Continue with --config.resume=latest")
+                    return {"stopped_at": self.step}
+                t0 = time.perf_counter()
+                batch = self._next_batch()
+                data_wait += time.perf_counter() - t0
+                self.state, metrics = self.engine.step_fn(self.state, batch)
+                self.step += 1
+                window_steps += 1
+                if first_step:  # compilation is not training speed: time the window from here
+                    jax.block_until_ready(metrics)
+                    first_step, window_start, window_steps, data_wait = False, time.perf_counter(), 0, 0.0
+                loss, finite = (float(x) for x in jax.device_get((metrics["loss"], metrics["finite"])))
+                if not finite:
+                    self.skipped_updates += 1
+                    log.warning("step %d: non-finite loss or gradients, update skipped", self.step)
+                problem = monitor.observe(loss, bool(finite))
+                if problem:
+                    self._roll_back(problem)
+                    monitor.reset()
+                    window = None
+                    continue
+                if finite:  # a skipped step's loss would only turn the window's averages into NaN
+                    update = TrainMetrics.single_from_model_output(**metrics)
+                    window = update if window is None else window.merge(update)
+
+                if self.step % c.log_every_n_steps == 0 or self.step == schedule.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log_window(window, window_steps, elapsed, data_wait)
+                    window, window_start, window_steps, data_wait = None, time.perf_counter(), 0, 0.0
+                if self._save_due():
+                    self.save()
+                if self._zeroshot_due():
+                    self._record(self.step, self.zeroshot())
+            self.save(force=True)
+            self.checkpoints.wait()
+            results = {"step": self.step}
+            if c.zeroshot_data and c.zeroshot_frequency:
+                results.update(self.zeroshot())
+                self._record(self.step, results)
+            self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
+                f", {k} {v:.4f}" for k, v in results.items() if k.startswith("zeroshot")))
+            return results
+        finally:
+            stop.restore()
+            self.checkpoints.wait()
+
+    def _log_window(self, window, steps: int, elapsed: float, data_wait: float) -> None:
+        scalars = window_scalars(window) if window is not None else {}
+        if not scalars:
+            return
+        samples_per_sec = steps * self.schedule.global_batch / max(elapsed, 1e-9)
+        peak = self._peak_flops()
+        remaining = self.schedule.total_steps - self.step
+        scalars.update(
+            samples_per_sec=samples_per_sec,
+            samples_per_sec_per_device=samples_per_sec / jax.device_count(),
+            mfu=(samples_per_sec * self.flops_per_sample / (peak * jax.device_count())) if peak else None,
+            data_wait_fraction=data_wait / max(elapsed, 1e-9),
+            skipped_samples=sum(data.skip_counts(self.data_iter).values()),
+            skipped_updates=self.skipped_updates,
+            eta_seconds=remaining * elapsed / max(steps, 1),
+            epoch=self.schedule.epoch(self.step),
+            samples_seen=self.step * self.schedule.global_batch,
+        )
+        self._say(progress_line(self.step, self.schedule.total_steps, self.schedule.epoch(self.step), scalars))
+        self._record(self.step, {k: v for k, v in scalars.items() if v is not None})
+
+    # -- zero-shot ------------------------------------------------------------------------------------------
+
+    def _zeroshot_due(self) -> bool:
+        c = self.config
+        if not c.zeroshot_data or not c.zeroshot_frequency or self.step == self.schedule.total_steps:
+            return False  # the final eval runs after the loop
+        per_epoch = self.step % self.schedule.steps_per_epoch == 0
+        return per_epoch and (self.step // self.schedule.steps_per_epoch) % c.zeroshot_frequency == 0
+
+    def zeroshot(self) -> dict:
+        from clip_jax.evaluation.classification import evaluate_zeroshot
+        from clip_jax.evaluation.datasets import open_classification_set
+
+        c = self.config
+        kind, location = ("demo", None) if c.zeroshot_data == "demo" else ("imagenet-val", c.zeroshot_data)
+        dataset = open_classification_set(kind, location)
+        if c.zeroshot_samples:
+            dataset = dataset.head(c.zeroshot_samples)
+        # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
+        model = create_model(c.model)
+        batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
+        metrics = evaluate_zeroshot(model, self.state.params, dataset, self.mesh, batch_size=batch,
+                                    mean=tuple(c.image_mean), std=tuple(c.image_std))
+        result = {f"zeroshot_{k}": float(v) for k, v in metrics.items() if k.startswith("top")}
+        self._say(f"zero-shot on {dataset.name} at step {self.step}: " +
+                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        return result
+
+
+def train(config: ml_collections.ConfigDict) -> dict:
+    trainer = Trainer(config)
+    try:
+        return trainer.train()
+    finally:
+        trainer.checkpoints.close()
+        trainer.data_iter.close()  # stops the worker processes and frees their shared memory
+        if trainer.writer is not None:
+            trainer.writer.close()
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.FIELD=VALUE")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("give a config: --config configs/demo.py")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
+    absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
+    try:
+        train(config)
+    except (ValueError, FileNotFoundError, TrainingUnstable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,218 @@
+"""The trainer end to end on 8 simulated devices and the demo data: learning, resumption, faults, bad configs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from clip_jax import train as train_lib
+from clip_jax.config import check_config, default_config
+from clip_jax.data import make_shards
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tiny_model):
+    """2,048 Fashion-MNIST training images in 8 shards."""
+    out = str(tmp_path_factory.mktemp("shards"))
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=2048), out, 256)
+    return make_shards.shard_pattern(paths), tiny_model
+
+
+def tiny_config(data, logs, **overrides):
+    """`data` is the (shard pattern, model .json) pair of the fixture."""
+    c = default_config()
+    c.train_data, c.model = data
+    c.train_num_samples = 2048
+    c.dataset_resampled = False
+    c.workers = 0
+    c.batch_size = 8  # x 8 devices = 64 per step, 32 steps per epoch
+    c.epochs = 1
+    c.lr = 3e-3
+    c.warmup = 4
+    c.precision = "fp32"
+    c.grad_checkpointing = False
+    c.logs = str(logs)
+    c.name = "run"
+    c.log_every_n_steps = 1
+    c.save_every_steps = 8
+    c.zeroshot_frequency = 0
+    c.report_to = "none"
+    for key, value in overrides.items():
+        c[key] = value
+    return c
+
+
+def losses(run_dir) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged twice (before a crash and after resuming) keeps the last."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record:
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def saved_steps(run_dir) -> list[int]:
+    folder = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
+
+
+def launch(config, *extra) -> subprocess.Popen:
+    """The trainer as its own process; tests/train_config.py hands it `config` through the environment."""
+    args = [sys.executable, "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "CLIP_JAX_TEST_CONFIG": config.to_json()}
+    return subprocess.Popen(args + list(extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO)
+
+
+def wait_for_step(run_dir, step, process, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(path) and losses(run_dir) and max(losses(run_dir)) >= step:
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"trainer exited early ({process.returncode}):\n{process.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def test_a_short_run_learns_and_saves(shards, tmp_path):
+    result = train_lib.train(tiny_config(shards, tmp_path, epochs=3, zeroshot_data="demo", zeroshot_samples=512,
+                                         zeroshot_frequency=1))
+    run_dir = tmp_path / "run"
+    per_step = losses(run_dir)
+    assert sorted(per_step) == list(range(1, 97))
+    first, last = np.mean([per_step[s] for s in range(1, 9)]), np.mean([per_step[s] for s in range(89, 97)])
+    assert first > np.log(64) - 0.1  # chance level for 64 pairs
+    assert last < first - 0.6, (first, last)
+    assert saved_steps(run_dir)[-1] == 96
+    assert result["zeroshot_top1"] > 0.3  # 10 classes: chance is 0.1
+    assert json.loads((run_dir / "config.json").read_text())["lr"] == 3e-3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shards, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("reference")
+    train_lib.train(tiny_config(shards, logs))
+    return losses(logs / "run")
+
+
+def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
+    config = tiny_config(shards, tmp_path, resume="latest")
+    process = launch(config)
+    wait_for_step(tmp_path / "run", 19, process)
+    process.kill()  # SIGKILL: no chance to save
+    process.wait()
+    assert 16 in saved_steps(tmp_path / "run")
+    resumed = launch(config)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    assert "resumed" in output
+    got = losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 33))
+    np.testing.assert_allclose([got[s] for s in range(1, 33)], [uninterrupted[s] for s in range(1, 33)], rtol=1e-5)
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes_under_another_precision(shards, tmp_path):
+    config = tiny_config(shards, tmp_path, resume="latest", precision="pure_bf16", save_every_steps=0)
+    process = launch(config)
+    wait_for_step(tmp_path / "run", 5, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "SIGTERM: saved checkpoint" in output
+    stopped_at = saved_steps(tmp_path / "run")[-1]
+    assert 5 <= stopped_at < 32
+
+    # Resume in fp32: the bf16 parameters load into fp32 and training carries on to the end.
+    result = train_lib.train(tiny_config(shards, tmp_path, resume="latest", precision="fp32"))
+    assert result["step"] == 32
+    got = losses(tmp_path / "run")
+    assert all(np.isfinite(got[s]) for s in range(stopped_at + 1, 33))
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "32" / "meta" / "metadata").read_text())
+    assert meta["precision"] == "fp32"
+
+
+def test_non_finite_steps_are_skipped_then_rolled_back_to_fp32(shards, tmp_path):
+    config = tiny_config(shards, tmp_path, precision="bf16", fault_nan_steps="13,14,15", nan_patience=3,
+                         on_instability="rollback_fp32")
+    trainer = train_lib.Trainer(config)
+    trainer.train()
+    assert trainer.skipped_updates == 3
+    assert trainer.rollbacks == 1
+    assert trainer.engine.precision == "fp32"
+    assert trainer.step == 32
+    assert all(np.isfinite(v) for v in losses(tmp_path / "run").values())
+
+
+def test_a_single_skipped_step_does_not_roll_back(shards, tmp_path):
+    trainer = train_lib.Trainer(tiny_config(shards, tmp_path, fault_nan_steps="10", nan_patience=3))
+    trainer.train()
+    assert trainer.skipped_updates == 1 and trainer.rollbacks == 0
+
+
+def test_a_loss_spike_is_caught(shards, tmp_path):
+    # Without learning (lr 0) the loss only wanders from batch to batch; with a factor barely above 1 the first
+    # loss above the recent mean counts as a spike.
+    config = tiny_config(shards, tmp_path, loss_spike_factor=1.0001, on_instability="stop", lr=0.0)
+    with pytest.raises(train_lib.TrainingUnstable, match="loss spike"):
+        train_lib.train(config)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train_data": ""}, "train_data is empty"),
+    ({"precision": "fp16"}, "precision='fp16'"),
+    ({"batch_size": 6, "accum_freq": 4}, "not divisible by accum_freq=4"),
+    ({"resume": "/nonexistent/run"}, "resume='/nonexistent/run' does not exist"),
+    ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
+])
+def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):
+    config = tiny_config(("/data/{000..001}.tar", "ViT-B-32"), tmp_path, **overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_config(config, num_devices=8)
+
+
+def test_an_unknown_override_is_refused_by_name(tmp_path):
+    config = tiny_config(("/data/x.tar", "ViT-B-32"), tmp_path)
+    process = launch(config, "--config.lrr=0.1")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "lrr" in output
+
+
+def test_a_missing_shard_pattern_is_named(shards, tmp_path):
+    with pytest.raises(ValueError, match="nowhere"):
+        train_lib.Trainer(tiny_config((str(tmp_path / "nowhere-{000..003}.tar"), shards[1]), tmp_path))
+
+
+def test_a_fresh_run_refuses_a_run_directory_that_has_checkpoints(shards, tmp_path):
+    train_lib.train(tiny_config(shards, tmp_path, epochs=1, train_num_samples=512))
+    with pytest.raises(ValueError, match="already has checkpoints"):
+        train_lib.Trainer(tiny_config(shards, tmp_path, epochs=1, train_num_samples=512))
+
+
+def test_device_count_is_what_the_tests_assume():
+    assert jax.device_count() == 8
