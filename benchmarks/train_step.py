@@ -1,0 +1,300 @@
+"""Train-step throughput: clip_jax's jitted step against OpenCLIP's own fp32 step on the same model and batch.
+
+    python benchmarks/train_step.py --model ViT-B-32 --batch 8 [--precision fp32] [--remat none] [--steps 5]
+    python benchmarks/train_step.py --model ViT-L-14 --batch 2 --sequential
+
+Times the whole step (forward, contrastive loss, backward, AdamW with OpenCLIP's decay groups, logit-scale
+clamp) on random images and tokens, on every local device (global batch split over them). Reports compile
+time, median and best step time and samples/s; on GPU also MFU from the analytic model FLOPs (3x the forward;
+recomputation by remat is not counted). On CPU, OpenCLIP's fp32 step (torch, AdamW, `ClipLoss`, gradient
+checkpointing when remat is on) runs in the same process, the two taking turns step by step so that other
+load on the machine hits both alike (`--sequential`: one after the other, for models too big to hold twice),
+and the ratios are printed. Writes benchmarks/out/train_step-MODEL-bBATCH-PRECISION-REMAT.json.
+"""
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from clip_jax.models import create_model, get_model_config
+from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+from clip_jax.parallel import create_mesh, make_global_batch
+from clip_jax.precision import get_policy
+from clip_jax.train_step import create_train_state, make_train_step
+
+# Dense peak FLOP/s per device: (bf16, tf32). fp32 runs at the tf32 rate (JAX's default matmul precision).
+PEAK_FLOPS = {
+    "A100": (312e12, 156e12),
+    "H100": (989e12, 494e12),
+    "H200": (989e12, 494e12),
+}
+
+
+def keep_freed_memory_mapped() -> None:
+    """Make glibc keep freed memory instead of unmapping it (one arena, no mmap, no trimming).
+
+    By default every buffer over 32 MB is mmap'ed and unmapped again when freed, so each step page-faults its
+    whole temporary memory anew (about a quarter of a second per GB here). Both frameworks allocate through
+    glibc, so both run with this setting.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    for option, value in ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)):
+        if libc.mallopt(option, value) != 1:
+            raise RuntimeError(f"mallopt({option}, {value}) failed")
+
+
+def tower_forward_flops(width: int, layers: int, tokens: int) -> float:
+    """Matmul FLOPs per sample of a transformer: QKV, out, MLP (24 W^2) and attention (4 L W) per token."""
+    return layers * tokens * (24 * width**2 + 4 * tokens * width)
+
+
+def forward_flops_per_sample(config) -> float:
+    v, t = config.vision, config.text
+    patch_embedding = 2 * v.grid_size**2 * v.patch_size**2 * 3 * v.width
+    image = (
+        patch_embedding
+        + tower_forward_flops(v.width, v.layers, v.num_tokens)
+        + 2 * v.width * config.embed_dim
+    )
+    text = tower_forward_flops(t.width, t.layers, t.context_length) + 2 * t.width * config.embed_dim
+    return image + text
+
+
+def peak_flops(device, precision: str) -> float | None:
+    for name, (bf16, tf32) in PEAK_FLOPS.items():
+        if name in device.device_kind:
+            return tf32 if precision == "fp32" else bf16
+    return None
+
+
+def random_batch(config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    size, context = config.vision.image_size, config.text.context_length
+    tokens = rng.integers(1, config.text.vocab_size - 1, size=(batch_size, context))
+    tokens[:, -1] = config.text.vocab_size - 1  # end-of-text: the largest id, where the text tower pools
+    return {
+        "images": rng.normal(size=(batch_size, size, size, 3)).astype(np.float32),
+        "tokens": tokens.astype(np.int32),
+    }
+
+
+def time_steps(run_steps, steps: int, warmup: int) -> list[list[float]]:
+    """Seconds per step of each function; they take turns step by step, so load changes hit all alike."""
+    for run_step in run_steps:
+        for _ in range(warmup):
+            run_step()
+    times = [[] for _ in run_steps]
+    for _ in range(steps):
+        for run_step, seconds in zip(run_steps, times, strict=True):
+            start = time.perf_counter()
+            run_step()
+            seconds.append(time.perf_counter() - start)
+    return times
+
+
+def clip_jax_step(args, config, batch) -> dict:
+    policy = get_policy(args.precision)
+    model = create_model(
+        config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=args.remat
+    )
+    schedule = warmup_cosine_schedule(1e-3, warmup_steps=10, total_steps=10_000)
+    optimizer = create_optimizer(schedule, weight_decay=0.2)
+    mesh = create_mesh(jax.local_devices())
+
+    start = time.perf_counter()
+    state, shardings = create_train_state(model, optimizer, mesh, rng=jax.random.key(0), fsdp=args.fsdp)
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - start
+
+    step = make_train_step(model, optimizer, schedule, mesh, shardings, accum_steps=args.accum_steps)
+    global_batch = make_global_batch(batch, mesh)
+    start = time.perf_counter()
+    compiled = step.lower(state, global_batch).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+
+    def run_step():
+        nonlocal state
+        state, metrics = compiled(state, global_batch)
+        jax.block_until_ready(metrics)
+
+    return run_step, {
+        "init_s": init_s,
+        "compile_s": compile_s,
+        "temp_bytes_per_device": memory.temp_size_in_bytes if memory else None,
+        "argument_bytes_per_device": memory.argument_size_in_bytes if memory else None,
+    }
+
+
+def open_clip_step(args, batch) -> dict:
+    """OpenCLIP's training step in fp32, as its train_one_epoch does it without AMP."""
+    import open_clip
+    import torch
+    from open_clip.loss import ClipLoss
+
+    torch.manual_seed(0)
+    model = open_clip.create_model(args.model)
+    model.train()
+    if args.remat != "none":
+        model.set_grad_checkpointing(True)
+
+    def excluded(name, p):  # OpenCLIP's decay rule
+        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if excluded(n, p)], "weight_decay": 0.0},
+            {"params": [p for n, p in named if not excluded(n, p)], "weight_decay": 0.2},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.98),
+        eps=1e-6,
+    )
+    loss_fn = ClipLoss()
+    images = torch.from_numpy(batch["images"]).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
+    tokens = torch.from_numpy(batch["tokens"]).long()
+
+    def run_step():
+        optimizer.zero_grad()
+        image_features, text_features, logit_scale = model(images, tokens)
+        loss = loss_fn(image_features, text_features, logit_scale)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+
+    return run_step, {
+        "torch": torch.__version__,
+        "open_clip": open_clip.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def report(args, config, device, ours: dict, theirs: dict | None) -> dict:
+    """Print the table; return the JSON record. Medians, and best steps, which other load on the machine
+    disturbs least."""
+    train_flops_per_sample = 3 * forward_flops_per_sample(config)
+    step_s = statistics.median(ours["step_times_s"])
+    samples_per_s = args.batch / step_s
+    peak = peak_flops(device, args.precision)
+    mfu = train_flops_per_sample * samples_per_s / (peak * jax.device_count()) if peak else None
+
+    setting = f"{args.model} b={args.batch} {args.precision} remat={args.remat} accum={args.accum_steps}"
+    print(f"train step, {setting}, fsdp={args.fsdp}, {jax.device_count()} x {device.device_kind}")
+    print(
+        f"compile {ours['compile_s']:.1f} s, init {ours['init_s']:.1f} s, "
+        f"{train_flops_per_sample / 1e9:.1f} GFLOP/sample (3x forward)"
+    )
+    print(f"{'':<12}{'median s':>10}{'best s':>10}{'samples/s':>12}{'MFU':>8}")
+    print(
+        f"{'clip_jax':<12}{step_s:>10.3f}{min(ours['step_times_s']):>10.3f}{samples_per_s:>12.2f}"
+        f"{(f'{mfu:.1%}' if mfu else '-'):>8}"
+    )
+    result = {
+        "benchmark": "train_step",
+        "model": args.model,
+        "global_batch": args.batch,
+        "precision": args.precision,
+        "remat": args.remat,
+        "accum_steps": args.accum_steps,
+        "fsdp": args.fsdp,
+        "devices": jax.device_count(),
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "system_malloc": args.system_malloc,
+        "model_flops_per_sample": train_flops_per_sample,
+        "clip_jax": {**ours, "step_s": step_s, "samples_per_s": samples_per_s, "mfu": mfu},
+    }
+    if theirs:
+        their_step_s = statistics.median(theirs["step_times_s"])
+        ratio, best_ratio = their_step_s / step_s, min(theirs["step_times_s"]) / min(ours["step_times_s"])
+        print(
+            f"{'open_clip':<12}{their_step_s:>10.3f}{min(theirs['step_times_s']):>10.3f}"
+            f"{args.batch / their_step_s:>12.2f}{'-':>8}"
+        )
+        print(f"clip_jax / open_clip samples/s: {ratio:.2f}x (medians), {best_ratio:.2f}x (best steps)")
+        result["open_clip"] = {**theirs, "step_s": their_step_s, "samples_per_s": args.batch / their_step_s}
+        result.update(ratio=ratio, best_step_ratio=best_ratio)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="ViT-B-32")
+    parser.add_argument("--batch", type=int, default=8, help="global batch size")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "pure_bf16"])
+    parser.add_argument("--remat", default="none", help='"none" or a jax.checkpoint_policies name')
+    parser.add_argument("--accum-steps", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
+    parser.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory_mapped)",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time clip_jax, free it, then OpenCLIP (less memory; default: steps take turns)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=["auto", "open_clip", "none"],
+        default="auto",
+        help="auto: OpenCLIP's step on CPU only",
+    )
+    args = parser.parse_args()
+    if not args.system_malloc:
+        keep_freed_memory_mapped()
+
+    load_at_start = os.getloadavg()[0]
+    config = get_model_config(args.model)
+    device = jax.local_devices()[0]
+    batch = random_batch(config, args.batch)
+    run_baseline = args.baseline == "open_clip" or (args.baseline == "auto" and device.platform == "cpu")
+    if run_baseline and args.precision != "fp32":
+        raise SystemExit("the OpenCLIP baseline runs in fp32: use --precision fp32 or --baseline none")
+    our_step, ours = clip_jax_step(args, config, batch)
+    if not run_baseline:
+        (ours["step_times_s"],) = time_steps([our_step], args.steps, args.warmup)
+        theirs = None
+    elif args.sequential:  # one after the other: only one model in memory at a time
+        (ours["step_times_s"],) = time_steps([our_step], args.steps, args.warmup)
+        del our_step
+        gc.collect()
+        their_step, theirs = open_clip_step(args, batch)
+        (theirs["step_times_s"],) = time_steps([their_step], args.steps, args.warmup)
+    else:
+        their_step, theirs = open_clip_step(args, batch)
+        ours["step_times_s"], theirs["step_times_s"] = time_steps(
+            [our_step, their_step], args.steps, args.warmup
+        )
+
+    result = report(args, config, device, ours, theirs)
+    result["load_average_1min"] = {"start": load_at_start, "end": os.getloadavg()[0]}
+    out = (
+        pathlib.Path(__file__).parent
+        / "out"
+        / (f"train_step-{args.model}-b{args.batch}-{args.precision}-{args.remat}.json")
+    )
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
