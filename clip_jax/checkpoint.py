@@ -11,6 +11,7 @@ import re
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
@@ -96,3 +97,18 @@ def latest_complete_step(directory: str) -> int | None:
     steps = [int(name) for name in os.listdir(directory)
              if re.fullmatch(r"\d+", name) and os.path.isdir(os.path.join(directory, name, STATE))]
     return max(steps, default=None)
+
+
+def read_params(path: str) -> dict:
+    """Host (numpy, float32) params from a run directory (its newest checkpoint), its `checkpoints` folder, or one
+    step folder `.../checkpoints/STEP`: what evaluation needs, on any number of devices."""
+    import numpy as np
+
+    directory, step = resolve_resume(path, run_dir=path)
+    state_dir = os.path.join(directory, str(step), STATE)
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(state_dir).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    return jax.tree.map(lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        state["params"])

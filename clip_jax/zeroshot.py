@@ -19,7 +19,8 @@ import time
 import jax
 import numpy as np
 
-from clip_jax.convert import load_params
+from clip_jax.checkpoint import read_params
+from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
 from clip_jax.data.eval_sets import load_retrieval_set
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
@@ -34,10 +35,12 @@ from clip_jax.parallel import create_mesh
 
 
 def read_checkpoint(checkpoint: str, model_name: str) -> dict:
-    """Host params of `model_name` from a clip_jax params file or an OpenCLIP checkpoint (converted on the fly)."""
+    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), a
+    clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
     if os.path.isdir(checkpoint):
-        raise ValueError(f"--checkpoint {checkpoint} is a directory; give a parameter file: clip_jax params (.npz) "
-                         "or an OpenCLIP checkpoint (.pt, .pth, .bin, .safetensors)")
+        params = read_params(checkpoint)
+        to_open_clip(params, model_name)  # refuses, naming the keys, params of another model
+        return params
     return load_params(checkpoint, model_name)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from clip_jax import train as train_lib
+from clip_jax import zeroshot
 from clip_jax.config import check_config, default_config
 from clip_jax.data import make_shards
 
@@ -111,6 +112,13 @@ def test_a_short_run_learns_and_saves(shards, tmp_path):
     assert saved_steps(run_dir)[-1] == 96
     assert result["zeroshot_top1"] > 0.3  # 10 classes: chance is 0.1
     assert json.loads((run_dir / "config.json").read_text())["lr"] == 3e-3
+
+    # The eval script reads the run directory and gets the trainer's number on the same images.
+    output = tmp_path / "zeroshot.json"
+    assert zeroshot.main(["--model", shards[1], "--checkpoint", str(run_dir), "--demo", "--limit", "512",
+                          "--output", str(output)]) == 0
+    script_top1 = [m["top1"] for m in json.loads(output.read_text())["results"].values() if "top1" in m]
+    assert script_top1 == [pytest.approx(result["zeroshot_top1"], abs=1e-9)]
 
 
 @pytest.fixture(scope="module")
