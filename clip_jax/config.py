@@ -60,8 +60,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.keep = 3  # checkpoints kept
 
     # Evaluation.
-    c.zeroshot_frequency = 1  # zero-shot eval every this many epochs, and at the end (0: never)
-    c.zeroshot_data = ""  # "demo" (bundled Fashion-MNIST test split) or an image folder (ImageNet val layout)
+    c.zeroshot_data = ""  # "demo" (bundled Fashion-MNIST test split), an image folder (ImageNet val layout), or ""
+    c.zeroshot_frequency = 1  # evaluate every this many epochs (0: only at the end), when zeroshot_data is set
     c.zeroshot_samples = 0  # evaluate on the first N images only (0: all)
 
     # Metrics.

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from clip_jax import data
 from clip_jax.checkpoint import RunCheckpoints, abstract_like, latest_complete_step, resolve_resume
 from clip_jax.config import check_config
+from clip_jax.distributed import DistributedInitError, initialize_from_environment
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
 from clip_jax.models import create_model, init_params
@@ -314,7 +315,7 @@ class Trainer:
             self.save(force=True)
             self.checkpoints.wait()
             results = {"step": self.step}
-            if c.zeroshot_data and c.zeroshot_frequency:
+            if c.zeroshot_data:
                 results.update(self.zeroshot())
                 self._record(self.step, results)
             self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
@@ -395,8 +396,9 @@ def main(argv) -> int:
                         stream=sys.stdout)
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
     try:
+        initialize_from_environment()  # a multi-process run joins before anything touches the devices
         train(config)
-    except (ValueError, FileNotFoundError, TrainingUnstable) as e:
+    except (ValueError, FileNotFoundError, TrainingUnstable, DistributedInitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
