@@ -45,8 +45,8 @@ class RunCheckpoints:
         return list(self._manager.all_steps())
 
     def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, dict]:
-        """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is a pytree of
-        `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast to those
+        """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is
+        a pytree of `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast to those
         dtypes, so a run can resume on another mesh size or under another precision policy."""
         if step not in self._manager.all_steps():
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}; "

@@ -83,7 +83,8 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     """Raises ValueError naming the field and what to do, for every mistake that can be seen before compiling."""
     problems = []
     if not c.train_data:
-        problems.append("train_data is empty: give the shard pattern, e.g. --config.train_data='/data/{00000..00099}.tar'")
+        problems.append("train_data is empty: give the shard pattern, e.g. "
+                        "--config.train_data='/data/{00000..00099}.tar'")
     if c.precision not in PRECISIONS:
         problems.append(f"precision={c.precision!r}: choose one of {PRECISIONS}")
     if c.on_instability not in INSTABILITY_ACTIONS:

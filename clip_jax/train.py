@@ -9,7 +9,6 @@ eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STE
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import sys

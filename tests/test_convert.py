@@ -67,8 +67,8 @@ def test_params_of_another_model_are_refused_by_to_open_clip(state_dict):
 
 def test_cli_converts_an_open_clip_training_checkpoint_and_back(tmp_path, torch_model, state_dict, capsys):
     src = tmp_path / "epoch_3.pt"  # OpenCLIP's training checkpoint layout, saved from DDP
-    torch.save({"epoch": 3, "name": "run", "state_dict": {f"module.{k}": v for k, v in torch_model.state_dict().items()},
-                "optimizer": {}}, src)
+    ddp_state_dict = {f"module.{k}": v for k, v in torch_model.state_dict().items()}
+    torch.save({"epoch": 3, "name": "run", "state_dict": ddp_state_dict, "optimizer": {}}, src)
     dst = tmp_path / "params.npz"
     assert convert.main([str(src), str(dst), "--model", "ViT-B-32"]) == 2
     assert "does not match model 'ViT-B-32'" in capsys.readouterr().err

@@ -76,8 +76,8 @@ def evaluate_zeroshot(model, params, dataset: ClassificationSet, mesh: Mesh, *, 
     """Zero-shot accuracy of `model` with `params` on `dataset`: {"top1": ..., "top5": ..., "num_images": N}.
 
     Every process calls it with the same arguments; each reads only its share of the images (see the module
-    docstring). `batch_size` is the global batch, a multiple of the number of devices (smaller sets use fewer rows). `params` may be host arrays or arrays on the mesh (any
-    sharding). Top-k is reported for the k in `ks` not above the number of classes; ties between classes count for
+    docstring). `batch_size` is the global batch, a multiple of the number of devices (smaller sets use fewer
+    rows). `params` may be host arrays or arrays on the mesh (any sharding). Top-k is reported for the k in `ks` not above the number of classes; ties between classes count for
     the lower class index. `classifier` [E, C] is built from `dataset.prompts` when not given.
     """
     process_index, process_count = jax.process_index(), jax.process_count()

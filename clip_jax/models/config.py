@@ -100,7 +100,8 @@ _VISION_KEYS = {"image_size", "layers", "width", "patch_size", "head_width", "ml
 _TEXT_KEYS = {"context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio"}
 _IGNORED_KEYS = {
     "patch_dropout", "timm_model_name", "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias",
-    "timm_drop", "timm_drop_path", "hf_model_pretrained", "hf_tokenizer_name", "tokenizer_kwargs", "proj", "pooler_type",
+    "timm_drop", "timm_drop_path", "hf_model_pretrained", "hf_tokenizer_name", "tokenizer_kwargs", "proj",
+    "pooler_type",
     "custom_text", "init_logit_scale", "init_logit_bias", "cast_dtype", "image_mean", "image_std",
     "image_interpolation", "image_resize_mode", "preprocess_cfg", "output_tokens", "ls_init_value", "embed_cls",
     "pad_id", "no_causal_mask", "final_ln_after_pool", "pool_type", "attentional_pool", "proj_type", "proj_bias",
