@@ -184,7 +184,8 @@ class Trainer:
                 f.write(config.to_json(indent=2))
             if config.report_to == "tensorboard":
                 self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
-        self.flops_per_sample = train_flops(self.engine.model.config, remat=config.grad_checkpointing)
+        # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
+        self.flops_per_sample = train_flops(self.engine.model.config)
 
     # -- output ---------------------------------------------------------------------------------------------
 

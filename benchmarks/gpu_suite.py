@@ -1,0 +1,385 @@
+"""ViT-L/14 at 224 px on one GPU: clip_jax's train step over precisions, remat policies, attention kernels and
+per-device batches, and OpenCLIP's own training step on the same GPU with the same model, batch and precision.
+
+    bash benchmarks/gpu_suite.sh                     # on the GPU machine: installs carried wheels, then this
+    python benchmarks/gpu_suite.py --out DIR [--phases core,sweep] [--time-budget 500]
+    python benchmarks/gpu_suite.py --tiny --out DIR  # smoke test on the CPU: a tiny model, tiny batches
+
+Every measurement runs in a process of its own (`--one SPEC`), so that JAX and torch never hold the GPU's memory at
+the same time and an out-of-memory run does not take the next one with it. The order puts what matters most first,
+since the time budget may end the suite early (every run not started is recorded as skipped):
+
+- core, at the base batch: for each precision and remat policy, clip_jax with each attention kernel, then OpenCLIP
+  with the same precision (`amp_bf16` autocast for bf16; TF32 matmuls for fp32, as OpenCLIP's `main` sets them) and
+  gradient checkpointing when the policy rematerialises;
+- sweep: the fastest bf16 clip_jax setting and the fastest bf16 OpenCLIP setting of the core, at every other batch.
+
+A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
+back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's dense peak
+for the precision (clip_jax.hardware). clip_jax runs also record XLA's memory analysis on the GPU and the allocator's
+peak; bf16 runs with XLA's attention also compile the same step with the planner on the CPU
+(`clip_jax.plan`), to compare its estimate.
+
+Writes DIR/gpu_suite.jsonl (one line per run, as each ends), DIR/gpu_suite.txt (the table) and DIR/gpu_env.json.
+"""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+# A tiny CLIP for the CPU smoke test (OpenCLIP's model-config format: both frameworks build it).
+TINY_MODEL = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def random_inputs(image_size: int, context_length: int, vocab_size: int, batch: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(batch, image_size, image_size, 3)).astype(np.float32)  # NHWC
+    tokens = rng.integers(1, vocab_size - 1, size=(batch, context_length)).astype(np.int32)
+    tokens[:, -1] = vocab_size - 1  # end-of-text, the largest id: where the text tower pools
+    return images, tokens
+
+
+def timed_rounds(run_steps, steps: int, rounds: int, warmup: int) -> list[float]:
+    """Seconds per round of `steps` steps (`run_steps(n)` runs n steps and waits for the device)."""
+    run_steps(warmup)
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run_steps(steps)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def measure_clip_jax(spec: dict) -> dict:
+    import jax
+
+    from clip_jax.hardware import gpu_for_device_kind
+    from clip_jax.models import create_model, get_model_config
+    from clip_jax.models.flops import train_flops
+    from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+    from clip_jax.parallel import create_mesh, make_global_batch
+    from clip_jax.precision import get_policy
+    from clip_jax.train_step import create_train_state, make_train_step
+
+    config = get_model_config(spec["model"])
+    policy = get_policy(spec["precision"])
+    attention = None if spec["attention"] == "auto" else spec["attention"]
+    model = create_model(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                         remat_policy=spec["remat"], attention_impl=attention)
+    schedule = warmup_cosine_schedule(1e-3, 10, 100_000)
+    optimizer = create_optimizer(schedule, weight_decay=0.2)
+    device = jax.local_devices()[0]
+    mesh = create_mesh([device])
+    state, shardings = create_train_state(model, optimizer, mesh, rng=jax.random.key(0))
+    images, tokens = random_inputs(config.vision.image_size, config.text.context_length, config.text.vocab_size,
+                                   spec["batch"])
+    batch = make_global_batch({"images": images, "tokens": tokens}, mesh)
+    step = make_train_step(model, optimizer, schedule, mesh, shardings)
+
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    metrics = None
+
+    def run_steps(n: int) -> None:
+        nonlocal state, metrics
+        for _ in range(n):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+
+    rounds = timed_rounds(run_steps, spec["steps"], spec["rounds"], spec["warmup"])
+    samples_per_s = spec["batch"] * spec["steps"] / statistics.median(rounds)
+    gpu = gpu_for_device_kind(device.device_kind)
+    flops = train_flops(config)
+    stats = device.memory_stats() or {}
+    result = {
+        "compile_s": compile_s, "round_s": rounds, "samples_per_s": samples_per_s,
+        "mfu": samples_per_s * flops / (gpu.peak_tflops(spec["precision"]) * 1e12) if gpu else None,
+        "model_flops_per_sample": flops, "loss": float(metrics["loss"]),
+        "xla_memory": {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
+                       "alias": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes},
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
+        "device_kind": device.device_kind, "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    m = result["xla_memory"]
+    result["xla_memory"]["total"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
+    if spec.get("planner_check"):
+        del state, compiled
+        from clip_jax import plan
+
+        setup = plan.StepSetup(config, spec["precision"], spec["remat"])
+        cpu_mesh = create_mesh(jax.devices("cpu")[:1])
+        estimate = plan.StepMemory.of(plan.compile_train_step(setup, cpu_mesh, spec["batch"]))
+        result["planner_cpu_estimate_bytes"] = estimate.total
+    return result
+
+
+def measure_open_clip(spec: dict) -> dict:
+    import open_clip
+    import torch
+    from open_clip.loss import ClipLoss
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:  # as OpenCLIP's training main sets them
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    if isinstance(spec["model"], dict):
+        cfg = spec["model"]
+        model = open_clip.CLIP(embed_dim=cfg["embed_dim"], vision_cfg=cfg["vision_cfg"], text_cfg=cfg["text_cfg"])
+        image_size, context = cfg["vision_cfg"]["image_size"], cfg["text_cfg"]["context_length"]
+        vocab = cfg["text_cfg"]["vocab_size"]
+    else:
+        model = open_clip.create_model(spec["model"])
+        image_size, context, vocab = model.visual.image_size[0], model.context_length, model.vocab_size
+    model.to(device).train()
+    if spec["remat"] != "none":
+        model.set_grad_checkpointing(True)
+
+    def excluded(name, p):  # OpenCLIP's weight-decay rule
+        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for n, p in named if excluded(n, p)], "weight_decay": 0.0},
+         {"params": [p for n, p in named if not excluded(n, p)], "weight_decay": 0.2}],
+        lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+    loss_fn = ClipLoss()
+    images, tokens = random_inputs(image_size, context, vocab, spec["batch"])
+    images = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(device)  # NCHW
+    tokens = torch.from_numpy(tokens).long().to(device)
+    bf16 = spec["precision"] == "bf16"
+    last_loss = None
+
+    def one_step():
+        nonlocal last_loss
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # OpenCLIP's amp_bf16
+            image_features, text_features, logit_scale = model(images, tokens)
+            loss = loss_fn(image_features, text_features, logit_scale)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        last_loss = loss
+
+    def run_steps(n: int) -> None:
+        for _ in range(n):
+            one_step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    run_steps(1)
+    first_step_s = time.perf_counter() - start
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rounds = timed_rounds(run_steps, spec["steps"], spec["rounds"], spec["warmup"])
+    samples_per_s = spec["batch"] * spec["steps"] / statistics.median(rounds)
+    result = {"first_step_s": first_step_s, "round_s": rounds, "samples_per_s": samples_per_s,
+              "loss": float(last_loss), "torch": torch.__version__, "open_clip": open_clip.__version__,
+              "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+    if cuda:
+        from clip_jax.hardware import gpu_for_device_kind
+        from clip_jax.models import get_model_config
+        from clip_jax.models.flops import train_flops
+
+        gpu = gpu_for_device_kind(torch.cuda.get_device_name())
+        flops = train_flops(get_model_config(spec["model"]))
+        result["mfu"] = samples_per_s * flops / (gpu.peak_tflops(spec["precision"]) * 1e12) if gpu else None
+    return result
+
+
+def measure(spec: dict) -> dict:
+    """One run, in this process: the spec and its numbers."""
+    if spec["framework"] == "clip_jax":
+        if spec["attention"] == "cudnn":
+            import jax
+
+            if jax.devices()[0].platform != "gpu":
+                return {**spec, "status": "skipped", "why": "cuDNN attention needs a GPU"}
+        numbers = measure_clip_jax(spec)
+    else:
+        numbers = measure_open_clip(spec)
+    return {**spec, "status": "ok", **numbers}
+
+
+def run_isolated(spec: dict, timeout: float) -> dict:
+    """`measure(spec)` in a fresh process; failures (out of memory, timeouts) become a status."""
+    command = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": "timeout", "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return {**json.loads(lines[-1]), "seconds": seconds}
+    tail = done.stderr[-2000:]
+    oom = any(sign in done.stderr for sign in ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemoryError"))
+    return {**spec, "status": "oom" if oom else "failed", "seconds": seconds, "stderr_tail": tail}
+
+
+def spec_for(args, framework: str, precision: str, remat: str, batch: int, attention: str = "-",
+             planner_check: bool = False) -> dict:
+    return {"framework": framework, "model": TINY_MODEL if args.tiny else args.model, "precision": precision,
+            "remat": remat, "attention": attention, "batch": batch, "steps": args.steps, "rounds": args.rounds,
+            "warmup": args.warmup, "planner_check": planner_check}
+
+
+def core_specs(args) -> list[dict]:
+    """Per precision and remat policy: clip_jax with each attention kernel, then OpenCLIP (once per checkpointing)."""
+    specs, open_clip_done = [], set()
+    for precision in args.precisions:
+        for remat in args.remats:
+            for attention in args.attentions:
+                if attention == "cudnn" and precision == "fp32":
+                    continue  # cuDNN's fused attention takes fp16/bf16 only
+                # The planner compiles XLA's attention on the CPU: compare it with the GPU's run of the same.
+                check = args.planner_check and precision == "bf16" and attention == "xla"
+                specs.append(spec_for(args, "clip_jax", precision, remat, args.base_batch, attention, check))
+            checkpointing = "none" if remat == "none" else "grad_checkpointing"
+            if (precision, checkpointing) not in open_clip_done:
+                open_clip_done.add((precision, checkpointing))
+                specs.append(spec_for(args, "open_clip", precision, remat, args.base_batch))
+    return specs
+
+
+def best(results: list[dict], framework: str) -> dict | None:
+    ok = [r for r in results if r["framework"] == framework and r["status"] == "ok" and r["precision"] == "bf16"]
+    return max(ok, key=lambda r: r["samples_per_s"]) if ok else None
+
+
+def format_table(results: list[dict]) -> str:
+    lines = [(f"{'framework':<10}{'prec':<6}{'remat':<18}{'attn':<7}{'batch':>6}{'status':>9}{'samples/s':>11}"
+              f"{'MFU':>7}{'compile s':>10}{'GPU GiB':>9}{'plan GiB':>9}")]
+    for r in results:
+        ok = r["status"] == "ok"
+        rate = f"{r['samples_per_s']:.1f}" if ok else "-"
+        mfu = f"{r['mfu']:.1%}" if ok and r.get("mfu") is not None else "-"
+        compile_s = f"{r['compile_s']:.1f}" if ok and "compile_s" in r else "-"
+        peak = r.get("peak_bytes_in_use") or r.get("peak_bytes_allocated")
+        peak = f"{peak / 2**30:.1f}" if ok and peak else "-"
+        planned = r.get("planner_cpu_estimate_bytes")
+        planned = f"{planned / 2**30:.1f}" if planned else "-"
+        lines.append(f"{r['framework']:<10}{r['precision']:<6}{r['remat']:<18}{r['attention']:<7}{r['batch']:>6}"
+                     f"{r['status']:>9}{rate:>11}{mfu:>7}{compile_s:>10}{peak:>9}{planned:>9}")
+    pairs = [(r, o) for r in results for o in results
+             if r["framework"] == "clip_jax" and o["framework"] == "open_clip" and r["status"] == o["status"] == "ok"
+             and r["precision"] == o["precision"] and r["batch"] == o["batch"]
+             and (r["remat"] == "none") == (o["remat"] == "none")]
+    if pairs:
+        lines.append("")
+        lines.append("clip_jax / OpenCLIP samples/s, same precision, batch and checkpointing (best clip_jax setting):")
+        keyed = {}
+        for ours, theirs in pairs:
+            key = (ours["precision"], ours["batch"], ours["remat"] == "none")
+            if key not in keyed or ours["samples_per_s"] > keyed[key][0]["samples_per_s"]:
+                keyed[key] = (ours, theirs)
+        for (precision, batch, no_remat), (ours, theirs) in sorted(keyed.items()):
+            lines.append(f"  {precision} batch {batch} {'no remat' if no_remat else 'remat'}: "
+                         f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x "
+                         f"({ours['remat']}, {ours['attention']})")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")}
+    try:
+        env["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                                            "--format=csv,noheader"], capture_output=True, text=True,
+                                           check=False, timeout=30).stdout.strip()
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        env["nvidia_smi"] = None
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--one", help="run one spec (JSON) in this process and print its result")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
+    parser.add_argument("--model", default="ViT-L-14")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model and tiny batches")
+    parser.add_argument("--phases", default="core,sweep")
+    parser.add_argument("--precisions", default="bf16,fp32")
+    parser.add_argument("--remats", default="none,nothing_saveable,dots_saveable")
+    parser.add_argument("--attentions", default="cudnn,xla")
+    parser.add_argument("--base-batch", type=int, default=256)
+    parser.add_argument("--batches", default="64,128,384,512", help="the sweep's other per-device batches")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--time-budget", type=float, default=500.0, help="seconds; later runs are skipped")
+    parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds for one run")
+    parser.add_argument("--no-planner-check", dest="planner_check", action="store_false")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(json.loads(args.one))), flush=True)
+        return
+    if args.tiny:
+        args.base_batch, args.batches = 4, "2,8"
+        args.steps, args.rounds, args.warmup = 2, 2, 1
+    args.precisions, args.remats = args.precisions.split(","), args.remats.split(",")
+    args.attentions = args.attentions.split(",")
+    phases = set(args.phases.split(","))
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_env.json").write_text(json.dumps(environment(), indent=2) + "\n")
+    results_file = out / "gpu_suite.jsonl"
+    results_file.write_text("")
+    deadline = time.monotonic() + args.time_budget
+    results = []
+
+    def run(spec: dict) -> None:
+        left = deadline - time.monotonic()
+        if left < 10:
+            result = {**spec, "status": "skipped", "why": "time budget"}
+        else:
+            result = run_isolated(spec, min(left, args.run_timeout))
+        results.append(result)
+        with results_file.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        rate = f"{result['samples_per_s']:.1f} samples/s" if result["status"] == "ok" else result["status"]
+        print(f"{spec['framework']} {spec['precision']} remat={spec['remat']} attn={spec['attention']} "
+              f"batch={spec['batch']}: {rate}", flush=True)
+
+    if "core" in phases:
+        for spec in core_specs(args):
+            run(spec)
+    if "sweep" in phases:
+        ours, theirs = best(results, "clip_jax"), best(results, "open_clip")
+        if ours is None:  # the core did not run or nothing succeeded: sweep the first configured setting
+            ours = spec_for(args, "clip_jax", "bf16", args.remats[0], args.base_batch, args.attentions[0])
+        if theirs is None:
+            theirs = spec_for(args, "open_clip", "bf16", args.remats[0], args.base_batch)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for chosen in (ours, theirs):
+                run(spec_for(args, chosen["framework"], chosen["precision"], chosen["remat"], batch,
+                             chosen["attention"]))
+    table = format_table(results)
+    (out / "gpu_suite.txt").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
