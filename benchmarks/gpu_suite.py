@@ -25,7 +25,6 @@ Writes DIR/gpu_suite.jsonl (one line per run, as each ends), DIR/gpu_suite.txt (
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import platform
@@ -132,7 +131,7 @@ def measure_clip_jax(spec: dict) -> dict:
 def measure_open_clip(spec: dict) -> dict:
     import open_clip
     import torch
-    from open_clip.loss import ClipLoss
+    from open_clip_step import make_open_clip_step, open_clip_optimizer
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -152,36 +151,17 @@ def measure_open_clip(spec: dict) -> dict:
     if spec["remat"] != "none":
         model.set_grad_checkpointing(True)
 
-    def excluded(name, p):  # OpenCLIP's weight-decay rule
-        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
-
-    named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for n, p in named if excluded(n, p)], "weight_decay": 0.0},
-         {"params": [p for n, p in named if not excluded(n, p)], "weight_decay": 0.2}],
-        lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
-    loss_fn = ClipLoss()
+    optimizer = open_clip_optimizer(model)
     images, tokens = random_inputs(image_size, context, vocab, spec["batch"])
     images = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(device)  # NCHW
     tokens = torch.from_numpy(tokens).long().to(device)
-    bf16 = spec["precision"] == "bf16"
+    one_step = make_open_clip_step(model, optimizer, images, tokens, bf16=spec["precision"] == "bf16")
     last_loss = None
 
-    def one_step():
-        nonlocal last_loss
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # OpenCLIP's amp_bf16
-            image_features, text_features, logit_scale = model(images, tokens)
-            loss = loss_fn(image_features, text_features, logit_scale)
-        loss.backward()
-        optimizer.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
-        last_loss = loss
-
     def run_steps(n: int) -> None:
+        nonlocal last_loss
         for _ in range(n):
-            one_step()
+            last_loss = one_step()
         if cuda:
             torch.cuda.synchronize()
 

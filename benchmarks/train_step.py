@@ -16,7 +16,6 @@ import argparse
 import ctypes
 import gc
 import json
-import math
 import os
 import pathlib
 import platform
@@ -25,19 +24,15 @@ import time
 
 import jax
 import numpy as np
+from open_clip_step import make_open_clip_step, open_clip_optimizer
 
+from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.models import create_model, get_model_config
+from clip_jax.models.flops import train_flops
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import get_policy
 from clip_jax.train_step import create_train_state, make_train_step
-
-# Dense peak FLOP/s per device: (bf16, tf32). fp32 runs at the tf32 rate (JAX's default matmul precision).
-PEAK_FLOPS = {
-    "A100": (312e12, 156e12),
-    "H100": (989e12, 494e12),
-    "H200": (989e12, 494e12),
-}
 
 
 def keep_freed_memory_mapped() -> None:
@@ -52,30 +47,6 @@ def keep_freed_memory_mapped() -> None:
     for option, value in ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)):
         if libc.mallopt(option, value) != 1:
             raise RuntimeError(f"mallopt({option}, {value}) failed")
-
-
-def tower_forward_flops(width: int, layers: int, tokens: int) -> float:
-    """Matmul FLOPs per sample of a transformer: QKV, out, MLP (24 W^2) and attention (4 L W) per token."""
-    return layers * tokens * (24 * width**2 + 4 * tokens * width)
-
-
-def forward_flops_per_sample(config) -> float:
-    v, t = config.vision, config.text
-    patch_embedding = 2 * v.grid_size**2 * v.patch_size**2 * 3 * v.width
-    image = (
-        patch_embedding
-        + tower_forward_flops(v.width, v.layers, v.num_tokens)
-        + 2 * v.width * config.embed_dim
-    )
-    text = tower_forward_flops(t.width, t.layers, t.context_length) + 2 * t.width * config.embed_dim
-    return image + text
-
-
-def peak_flops(device, precision: str) -> float | None:
-    for name, (bf16, tf32) in PEAK_FLOPS.items():
-        if name in device.device_kind:
-            return tf32 if precision == "fp32" else bf16
-    return None
 
 
 def random_batch(config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -141,54 +112,68 @@ def open_clip_step(args, batch) -> dict:
     """OpenCLIP's training step in fp32, as its train_one_epoch does it without AMP."""
     import open_clip
     import torch
-    from open_clip.loss import ClipLoss
 
     torch.manual_seed(0)
     model = open_clip.create_model(args.model)
     model.train()
     if args.remat != "none":
         model.set_grad_checkpointing(True)
-
-    def excluded(name, p):  # OpenCLIP's decay rule
-        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
-
-    named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for n, p in named if excluded(n, p)], "weight_decay": 0.0},
-            {"params": [p for n, p in named if not excluded(n, p)], "weight_decay": 0.2},
-        ],
-        lr=1e-3,
-        betas=(0.9, 0.98),
-        eps=1e-6,
-    )
-    loss_fn = ClipLoss()
     images = torch.from_numpy(batch["images"]).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     tokens = torch.from_numpy(batch["tokens"]).long()
-
-    def run_step():
-        optimizer.zero_grad()
-        image_features, text_features, logit_scale = model(images, tokens)
-        loss = loss_fn(image_features, text_features, logit_scale)
-        loss.backward()
-        optimizer.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
-
-    return run_step, {
+    step = make_open_clip_step(model, open_clip_optimizer(model), images, tokens)
+    return step, {
         "torch": torch.__version__,
         "open_clip": open_clip.__version__,
         "torch_threads": torch.get_num_threads(),
     }
 
 
+# XLA:CPU thunk names -> what they do. Matmuls run as "ynn_fusion" (YNNPACK) or "dot"; the scanned layer stacks
+# show up as dynamic slices (one layer's weights out of the stack) and dynamic-update-slices (its gradient back in).
+OP_KINDS = (
+    ("matmul", ("ynn_fusion", "dot", "convolution")),
+    ("layer slice / gradient write-back", ("dynamic-slice", "dynamic-update-slice")),
+    ("broadcast (zero fills)", ("broadcast",)),
+    ("copy / transpose", ("copy", "transpose")),
+)
+
+
+def profile_breakdown(run_step, steps: int = 2) -> dict[str, float]:
+    """Seconds per step by kind of XLA operation, from a profiler trace (thread time summed over threads, so
+    the kinds add up to more than the wall time when ops run side by side)."""
+    import collections
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(steps):
+            run_step()
+        jax.profiler.stop_trace()
+        (path,) = pathlib.Path(trace_dir).rglob("*.xplane.pb")
+        profile = ProfileData.from_file(str(path))
+    seconds = collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if line.name == "python":
+                continue
+            for event in line.events:
+                if event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "while")):
+                    continue  # containers of the ops below, and waiting
+                kind = next((k for k, names in OP_KINDS if any(n in event.name for n in names)), "other")
+                seconds[kind] += event.duration_ns / 1e9 / steps
+    return dict(seconds.most_common())
+
+
 def report(args, config, device, ours: dict, theirs: dict | None) -> dict:
     """Print the table; return the JSON record. Medians, and best steps, which other load on the machine
     disturbs least."""
-    train_flops_per_sample = 3 * forward_flops_per_sample(config)
+    train_flops_per_sample = train_flops(config)
     step_s = statistics.median(ours["step_times_s"])
     samples_per_s = args.batch / step_s
-    peak = peak_flops(device, args.precision)
+    gpu = gpu_for_device_kind(device.device_kind) if device.platform == "gpu" else None
+    peak = gpu.peak_tflops(args.precision) * 1e12 if gpu else None
     mfu = train_flops_per_sample * samples_per_s / (peak * jax.device_count()) if peak else None
 
     setting = f"{args.model} b={args.batch} {args.precision} remat={args.remat} accum={args.accum_steps}"
@@ -228,6 +213,11 @@ def report(args, config, device, ours: dict, theirs: dict | None) -> dict:
         print(f"clip_jax / open_clip samples/s: {ratio:.2f}x (medians), {best_ratio:.2f}x (best steps)")
         result["open_clip"] = {**theirs, "step_s": their_step_s, "samples_per_s": args.batch / their_step_s}
         result.update(ratio=ratio, best_step_ratio=best_ratio)
+    if "profile_s_per_step" in ours:
+        total = sum(ours["profile_s_per_step"].values())
+        print(f"clip_jax's step by XLA operation, thread-seconds per step ({total:.2f} in all):")
+        for kind, seconds in ours["profile_s_per_step"].items():
+            print(f"  {kind:<36}{seconds:>8.3f}{seconds / total:>6.0%}")
     return result
 
 
@@ -257,6 +247,7 @@ def main() -> None:
         default="auto",
         help="auto: OpenCLIP's step on CPU only",
     )
+    parser.add_argument("--profile", action="store_true", help="also print where clip_jax's step spends its time")
     args = parser.parse_args()
     if not args.system_malloc:
         keep_freed_memory_mapped()
@@ -269,6 +260,8 @@ def main() -> None:
     if run_baseline and args.precision != "fp32":
         raise SystemExit("the OpenCLIP baseline runs in fp32: use --precision fp32 or --baseline none")
     our_step, ours = clip_jax_step(args, config, batch)
+    if args.profile:
+        ours["profile_s_per_step"] = profile_breakdown(our_step)
     if not run_baseline:
         (ours["step_times_s"],) = time_steps([our_step], args.steps, args.warmup)
         theirs = None
