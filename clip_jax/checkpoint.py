@@ -3,9 +3,11 @@
 Layout: `RUN_DIR/checkpoints/STEP/{state,data_iter,meta}`. Saves are asynchronous; Orbax writes each step to a
 temporary folder and renames it only when complete, so a crash or `kill -9` mid-save leaves the previous checkpoint
 intact and the half-written one is never listed. Every process takes part: each writes its shards of the state and
-its own data-iterator position.
+its own data-iterator position (`data_iter/process_R-of-N.json`), which only a run with the same data layout
+(process count and data workers per process) can restore; `meta` records that layout.
 """
 
+import json
 import os
 import re
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
+_DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -24,7 +27,8 @@ class CheckpointNotFoundError(FileNotFoundError):
 class RunCheckpoints:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, data_iterator, meta: dict, *, force: bool = False) -> bool:
@@ -46,8 +50,8 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, dict]:
         """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is
-        a pytree of `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast to those
-        dtypes, so a run can resume on another mesh size or under another precision policy."""
+        a pytree of `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast
+        to those dtypes, so a run can resume on another mesh size or under another precision policy."""
         if step not in self._manager.all_steps():
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
                                           f"saved steps: {self.all_steps() or 'none'}")
@@ -64,6 +68,33 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The run metadata saved with checkpoint `step` under `directory` ({} when it has none), read as a plain file:
+    no Orbax manager and no collective, so every process can look before deciding how to restore."""
+    path = os.path.join(directory, str(step), META, "metadata")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def saved_process_count(meta: dict, data_iter_files: list[str]) -> int | None:
+    """How many processes saved a checkpoint: `meta["process_count"]`, or, for checkpoints that predate that field,
+    the N of the data-iterator files `process_R-of-N.json`; None when neither tells."""
+    if "process_count" in meta:
+        return int(meta["process_count"])
+    counts = {int(m.group(2)) for m in map(_DATA_ITER_FILE.fullmatch, data_iter_files) if m}
+    if len(counts) > 1:
+        raise ValueError(f"data-iterator files of several process counts {sorted(counts)}: "
+                         f"{sorted(data_iter_files)}")
+    return counts.pop() if counts else None
+
+
+def data_iter_files(directory: str, step: int) -> list[str]:
+    path = os.path.join(directory, str(step), DATA_ITER)
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
 def abstract_like(state, shardings):

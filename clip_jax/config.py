@@ -14,6 +14,7 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
 REPORT_TO = ("tensorboard", "none")
+RESUME_DATA = ("exact", "allow_reseed")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -55,6 +56,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.logs = "./logs"
     c.name = ""  # run name; "" makes one from the model and the start time
     c.resume = ""  # "latest" (start fresh when there is none), or a checkpoint / run directory
+    # "exact": continue the data stream where the checkpoint left off (needs the process count and workers that
+    # saved it); "allow_reseed": the same when possible, else restore the train state only and read on with new
+    # data iterators seeded from (seed, step): no replay of the run's first samples
+    c.resume_data = "exact"
     c.save_frequency = 1  # save every this many (virtual) epochs
     c.save_every_steps = 0  # and every this many steps (0: off)
     c.keep = 3  # checkpoints kept
@@ -89,11 +94,14 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"precision={c.precision!r}: choose one of {PRECISIONS}")
     if c.on_instability not in INSTABILITY_ACTIONS:
         problems.append(f"on_instability={c.on_instability!r}: choose one of {INSTABILITY_ACTIONS}")
+    if c.resume_data not in RESUME_DATA:
+        problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
     if c.report_to not in REPORT_TO:
         problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
     if c.attention_impl not in ("auto", "xla", "cudnn"):
         problems.append(f"attention_impl={c.attention_impl!r}: choose auto, xla or cudnn")
-    for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps", "nan_patience"):
+    for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",
+                  "nan_patience"):
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",

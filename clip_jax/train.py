@@ -3,7 +3,9 @@
 Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step loop -> checkpoints, zero-shot
 eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
 `metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
-`--config.resume=latest` continues exactly where the last checkpoint left off.
+`--config.resume=latest` continues exactly where the last checkpoint left off. On another data layout (process
+count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed` then
+restores the train state only and reads on with new data iterators (see `data_resume_plan`).
 """
 
 import dataclasses
@@ -22,7 +24,8 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import data
-from clip_jax.checkpoint import RunCheckpoints, abstract_like, latest_complete_step, resolve_resume
+from clip_jax.checkpoint import (RunCheckpoints, abstract_like, data_iter_files, latest_complete_step, read_meta,
+                                 resolve_resume, saved_process_count)
 from clip_jax.config import check_config
 from clip_jax.distributed import DistributedInitError, initialize_from_environment
 from clip_jax.hardware import gpu_for_device_kind
@@ -59,11 +62,63 @@ class Schedule:
         return step / self.steps_per_epoch
 
 
-def data_config(config) -> data.TrainDataConfig:
+def data_config(config, *, seed: int | None = None) -> data.TrainDataConfig:
+    """The data part of `config`; `seed` replaces `config.seed` (a resumed run's data seed)."""
     return data.TrainDataConfig(
         shards=config.train_data, weights=config.train_data_upsampling_factors or None,
-        resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None, seed=config.seed,
-        workers=config.workers, shuffle_window=config.shuffle_window)
+        resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None,
+        seed=config.seed if seed is None else seed, workers=config.workers, shuffle_window=config.shuffle_window)
+
+
+def reseeded_data_seed(seed: int, step: int) -> int:
+    """The data seed of a run resumed at `step` without its data position: a pure function of (seed, step), so all
+    processes agree and resuming the same step twice reads the same data; unlike `seed` itself it does not replay
+    the samples the run started with."""
+    return int(np.random.SeedSequence([seed, 0xDA7A, step]).generate_state(1)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class DataResume:
+    """How a resumed run gets its data: the saved iterator position (`restore`) and the seed to build with."""
+
+    restore: bool
+    seed: int
+    note: str = ""  # what the user gets, when the position is not restored
+
+
+def data_resume_plan(config, meta: dict, saved_processes: int | None, *, where: str, step: int,
+                     process_count: int) -> DataResume:
+    """Restore the data position when the checkpoint's data layout (processes x data workers) is this run's.
+
+    Otherwise the position cannot be carried (each process and worker saved its own place in its own shard order):
+    with `resume_data="exact"` that is a ValueError naming the way out; with `"allow_reseed"` the train state alone
+    is restored and new iterators are seeded with `reseeded_data_seed(seed, step)`. In resampled mode they draw
+    fresh shards, statistically the same as continuing; in epoch mode they start a new pass over all shards, in a
+    new order, at this step (the trainer's epoch count goes on by steps, so samples already read in the interrupted
+    epoch may come again before it ends, and some others not at all in it).
+    """
+    saved_workers = meta.get("data_workers")  # None in checkpoints that predate the field: not checked
+    if (saved_processes in (None, process_count)
+            and (saved_workers is None or int(saved_workers) == config.workers)):
+        return DataResume(True, int(meta.get("data_seed", config.seed)))
+
+    def layout(processes, workers):
+        text = f"{processes} process" + ("" if processes == 1 else "es")
+        return text + (f" x {workers} data workers" if saved_workers is not None else "")
+
+    saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
+    if config.resume_data != "allow_reseed":
+        raise ValueError(
+            f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
+            "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
+            "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "
+            "data iterators (no replay of the run's first samples)")
+    seed = reseeded_data_seed(config.seed, step)
+    what = ("fresh shard draws" if config.dataset_resampled else
+            "a new pass over all shards in a new order starts at this step")
+    note = (f"data position not restored: checkpoint {where} was saved by {saved}, this run has {here}; "
+            f"new data iterators with seed {seed} (from seed {config.seed} and step {step}): {what}")
+    return DataResume(False, seed, note)
 
 
 def make_schedule(config, num_devices: int) -> Schedule:
@@ -74,7 +129,8 @@ def make_schedule(config, num_devices: int) -> Schedule:
 
 @dataclasses.dataclass
 class Engine:
-    """What one precision policy compiles: the model, the optimizer and the jitted step, with the state's layout."""
+    """What one precision policy compiles: the model, the optimizer and the jitted step, with the state's
+    layout."""
 
     precision: str
     model: object
@@ -155,9 +211,16 @@ class Trainer:
         elif latest_complete_step(os.path.join(self.run_dir, "checkpoints")) is not None:
             raise ValueError(f"run directory {self.run_dir} already has checkpoints: continue it with "
                              "--config.resume=latest, or start another run with --config.name=...")
+        data_resume = DataResume(False, config.seed)
+        if resume_step is not None:
+            saved_meta = read_meta(resume_dir, resume_step)
+            data_resume = data_resume_plan(
+                config, saved_meta, saved_process_count(saved_meta, data_iter_files(resume_dir, resume_step)),
+                where=f"{resume_dir}/{resume_step}", step=resume_step, process_count=jax.process_count())
+        self.data_seed = data_resume.seed
         self.engine = build_engine(config, config.precision, self.mesh, self.schedule)
         self.data_iter = data.build_train_iterator(
-            data_config(config), global_batch_size=self.schedule.global_batch,
+            data_config(config, seed=self.data_seed), global_batch_size=self.schedule.global_batch,
             image_size=self.engine.model.config.vision.image_size, mean=tuple(config.image_mean),
             std=tuple(config.image_std), process_index=jax.process_index(), process_count=jax.process_count(),
             context_length=self.engine.model.config.text.context_length)
@@ -167,11 +230,13 @@ class Trainer:
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         self.fault_nan_steps = {int(s) for s in config.fault_nan_steps.split(",") if s.strip()}
         if resume_step is not None:
-            self.state, meta = self._restore(resume_dir, resume_step, with_data=True)
+            self.state, meta = self._restore(resume_dir, resume_step, with_data=data_resume.restore)
             self.skipped_updates = int(meta.get("skipped_updates", 0))
             self.rollbacks = int(meta.get("rollbacks", 0))
             self._say(f"resumed {resume_dir}/{resume_step} (saved under {meta.get('precision')}, "
                       f"continuing under {self.engine.precision})")
+            if data_resume.note:
+                self._say(data_resume.note)
         else:
             if config.resume == "latest":
                 self._say(f"no checkpoint in {self.run_dir} yet: starting fresh")
@@ -207,7 +272,10 @@ class Trainer:
         return {"step": self.step, "samples_seen": self.step * self.schedule.global_batch,
                 "epoch": self.schedule.epoch(self.step), "precision": self.engine.precision,
                 "model": self.engine.model.config.name, "global_batch": self.schedule.global_batch,
-                "skipped_updates": self.skipped_updates, "rollbacks": self.rollbacks}
+                "skipped_updates": self.skipped_updates, "rollbacks": self.rollbacks,
+                # the data layout and seed the saved iterator positions belong to
+                "process_count": jax.process_count(), "data_workers": self.config.workers,
+                "data_seed": self.data_seed}
 
     def save(self, force: bool = False) -> None:
         if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
@@ -237,9 +305,9 @@ class Trainer:
                                    + ("stopping (on_instability='stop')" if step is not None
                                       else "no checkpoint to roll back to yet"))
         if self.rollbacks_to.get(step, 0) >= MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
-            raise TrainingUnstable(f"{reason} at step {self.step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} rollbacks "
-                                   f"to checkpoint {step}: stopping. Lower the learning rate, or resume under "
-                                   "--config.precision=fp32")
+            raise TrainingUnstable(f"{reason} at step {self.step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} "
+                                   f"rollbacks to checkpoint {step}: stopping. Lower the learning rate, or resume "
+                                   "under --config.precision=fp32")
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
         if action == "rollback_fp32" and self.engine.precision != "fp32":
             self.engine = build_engine(self.config, "fp32", self.mesh, self.schedule)
@@ -266,8 +334,8 @@ class Trainer:
 
     def train(self) -> dict:
         c, schedule = self.config, self.schedule
-        self._say(f"run {self.run_dir}: {self.engine.model.config.name}, {jax.device_count()} devices, global batch "
-                  f"{schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
+        self._say(f"run {self.run_dir}: {self.engine.model.config.name}, {jax.device_count()} devices, global "
+                  f"batch {schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
                   f"{schedule.total_steps} steps, precision {self.engine.precision}")
         stop = StopSignal()
         monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)

@@ -1,5 +1,6 @@
 """Two processes x 4 CPU devices joined with gloo against one process x 8 devices: same global batch, same
-losses, same parameters; checkpoints cross the process count; a dead process makes its peer exit."""
+losses, same parameters; checkpoints cross the process count (the data position only where asked to reseed); a
+dead process makes its peer exit."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import pytest
 
 from clip_jax import data
 from clip_jax import train as train_lib
-from clip_jax.checkpoint import RunCheckpoints
+from clip_jax.checkpoint import RunCheckpoints, data_iter_files, read_meta, saved_process_count
 from clip_jax.data import make_shards
 from clip_jax.parallel import create_mesh, make_global_batch
 from test_train import TINY, losses, tiny_config
@@ -56,11 +57,13 @@ def start_ranks(config, num_processes, devices, *, heartbeat=60, init_timeout=60
     return processes
 
 
-def global_batches(config, process_count):
-    """The global batches of a `process_count`-process run, assembled here from every process's iterator."""
+def global_batches(config, process_count, seed=None):
+    """The global batches of a `process_count`-process run (data seed `seed`, else the config's), assembled here
+    from every process's iterator."""
     iterators = [data.build_train_iterator(
-        train_lib.data_config(config), global_batch_size=64, image_size=28, mean=tuple(config.image_mean),
-        std=tuple(config.image_std), process_index=p, process_count=process_count, context_length=16)
+        train_lib.data_config(config, seed=seed), global_batch_size=64, image_size=28,
+        mean=tuple(config.image_mean), std=tuple(config.image_std), process_index=p, process_count=process_count,
+        context_length=16)
         for p in range(process_count)]
     while True:
         pieces = [next(it) for it in iterators]
@@ -166,5 +169,78 @@ def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_
     other = config.copy_and_resolve_references()
     other.unlock()
     other.resume, other.name, other.logs = str(run_dir / "checkpoints" / "2"), "other", str(tmp_path)
-    with pytest.raises(ValueError, match="process_0-of-1.json"):
+    with pytest.raises(ValueError) as refused:
         train_lib.Trainer(other)
+    message = str(refused.value)
+    assert f"checkpoint {run_dir / 'checkpoints'}/2 was saved by 2 processes x 0 data workers" in message
+    assert "this run has 1 process x 0 data workers" in message
+    assert "--config.resume_data=allow_reseed" in message
+    assert not (tmp_path / "other").exists()  # refused before anything was built or written
+
+
+def test_the_saved_process_count_is_read_from_the_meta_and_else_from_the_data_iterator_files(two_process_run):
+    _, run_dir, _ = two_process_run
+    directory = str(run_dir / "checkpoints")
+    meta, files = read_meta(directory, STEPS), data_iter_files(directory, STEPS)
+    assert (meta["process_count"], meta["data_workers"]) == (2, 0)
+    assert saved_process_count(meta, files) == 2
+    assert saved_process_count({}, files) == 2  # a checkpoint from before the field: Grain's file names tell
+    assert saved_process_count({"process_count": 3}, []) == 3
+    assert saved_process_count({}, [f"process_{r}-of-4.json" for r in range(4)] + ["other.json"]) == 4
+    assert saved_process_count({}, []) is None
+    with pytest.raises(ValueError, match="several process counts"):
+        saved_process_count({}, ["process_0-of-1.json", "process_0-of-2.json"])
+    assert read_meta(directory, 999) == {}
+
+
+def test_the_data_resume_plan(shard_data, tmp_path):
+    config = config_for(shard_data, tmp_path)
+    plan = lambda meta, saved, processes, **kw: train_lib.data_resume_plan(  # noqa: E731
+        config, meta, saved, where="CKPT", step=6, process_count=processes, **kw)
+    # Same layout: the saved position, with the data seed it was saved under (a run reseeded earlier keeps it).
+    assert plan({"process_count": 2, "data_workers": 0, "data_seed": 123}, 2, 2) == train_lib.DataResume(True, 123)
+    assert plan({}, None, 2) == train_lib.DataResume(True, config.seed)  # nothing tells: Grain restores or says
+    with pytest.raises(ValueError, match="saved by 2 processes x 4 data workers, this run has 2 processes x 0"):
+        plan({"process_count": 2, "data_workers": 4}, 2, 2)
+    with pytest.raises(ValueError, match=r"CKPT was saved by 2 processes, this run has 1 process: .*allow_reseed"):
+        plan({}, 2, 1)
+    config.resume_data = "allow_reseed"
+    reseeded = plan({"process_count": 2, "data_workers": 0}, 2, 1)
+    assert not reseeded.restore
+    assert reseeded.seed == train_lib.reseeded_data_seed(config.seed, 6)
+    assert "data position not restored" in reseeded.note and "a new pass over all shards" in reseeded.note
+    seeds = {train_lib.reseeded_data_seed(s, step) for s in (0, 1) for step in (0, 1, 2, 1000)}
+    assert len(seeds) == 8 and not seeds & {0, 1}  # a new stream per (seed, step), never the run's own
+
+
+def test_a_one_process_checkpoint_continues_in_two_processes_with_reseeded_data(shard_data, one_process, tmp_path):
+    mesh, engine = one_process
+    config = config_for(shard_data, tmp_path / "one")
+    train_lib.train(config)  # this process: 1 x 8 devices, checkpoints 2 and 4
+    saved = tmp_path / "one" / "run" / "checkpoints"
+    assert read_meta(str(saved), 2)["process_count"] == 1
+
+    resumed = config_for(shard_data, tmp_path / "two", resume=str(saved / "2"), resume_data="allow_reseed")
+    t0 = time.perf_counter()
+    processes = start_ranks(resumed, 2, 4)
+    outputs = [p.communicate(timeout=400)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], "\n\n".join(outputs)
+    print(f"2 processes x 4 devices resumed from 1 process, {STEPS - 2} steps: {time.perf_counter() - t0:.1f} s")
+    assert "data position not restored: checkpoint" in outputs[0]
+    assert "saved by 1 process x 0 data workers, this run has 2 processes x 0 data workers" in outputs[0]
+    got = losses(tmp_path / "two" / "run")
+    assert sorted(got) == [3, 4]
+
+    # Here: the same checkpoint, then the batches that 2 processes' iterators give under the reseeded data seed.
+    seed = train_lib.reseeded_data_seed(config.seed, 2)
+    state, _ = RunCheckpoints(str(saved)).restore(2, engine.abstract_state)
+    _, expected = run_steps(engine, mesh, state, global_batches(config, 2, seed=seed), STEPS - 2)
+    np.testing.assert_allclose([got[3], got[4]], expected, rtol=1e-5)
+    meta = read_meta(str(tmp_path / "two" / "run" / "checkpoints"), STEPS)
+    assert (meta["step"], meta["process_count"], meta["data_seed"]) == (STEPS, 2, seed)
+
+    # The new stream does not replay the run's start: its first batch is neither the run's first nor what two
+    # processes would have read first under the run's own seed.
+    first = next(global_batches(config, 2, seed=seed))["tokens"]
+    assert not np.array_equal(first, next(global_batches(config, 1))["tokens"])
+    assert not np.array_equal(first, next(global_batches(config, 2))["tokens"])

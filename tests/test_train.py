@@ -195,6 +195,7 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
     ({"precision": "fp16"}, "precision='fp16'"),
     ({"batch_size": 6, "accum_freq": 4}, "not divisible by accum_freq=4"),
     ({"resume": "/nonexistent/run"}, "resume='/nonexistent/run' does not exist"),
+    ({"resume_data": "fresh"}, "resume_data='fresh': choose one of ('exact', 'allow_reseed')"),
     ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):
