@@ -15,6 +15,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
 _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
@@ -22,6 +23,10 @@ _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 class CheckpointNotFoundError(FileNotFoundError):
     pass
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds another model's (or optimizer's) state than the run restoring it."""
 
 
 class RunCheckpoints:
@@ -55,6 +60,7 @@ class RunCheckpoints:
         if step not in self._manager.all_steps():
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
                                           f"saved steps: {self.all_steps() or 'none'}")
+        check_state_matches(self.directory, step, abstract_state)
         items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
         if data_iterator is not None:
             items[DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -95,6 +101,30 @@ def saved_process_count(meta: dict, data_iter_files: list[str]) -> int | None:
 def data_iter_files(directory: str, step: int) -> list[str]:
     path = os.path.join(directory, str(step), DATA_ITER)
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def check_state_matches(directory: str, step: int, abstract_state) -> None:
+    """Raises `CheckpointMismatchError` naming the differences when checkpoint `step` does not hold a state of
+    `abstract_state`'s structure and shapes (another model, another optimizer); dtypes may differ."""
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(os.path.join(directory, str(step), STATE))).tree
+    saved = _shapes(tree)
+    wanted = _shapes(abstract_state)
+    if saved == wanted:
+        return
+    differences = [f"{k}: saved {saved[k]}, this run {wanted[k]}" for k in sorted(saved.keys() & wanted.keys())
+                   if saved[k] != wanted[k]]
+    differences += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
+    differences += [f"{k}: only in this run" for k in sorted(wanted.keys() - saved.keys())]
+    saved_model = read_meta(directory, step).get("model", "unknown")
+    raise CheckpointMismatchError(
+        f"checkpoint {os.path.join(directory, str(step))} (model {saved_model}) does not fit this run's model and "
+        f"optimizer: {len(differences)} leaves differ, e.g. " + "; ".join(differences[:4])
+        + ". Set --config.model to the checkpoint's model, or resume from a checkpoint of this model.")
 
 
 def abstract_like(state, shardings):

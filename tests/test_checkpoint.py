@@ -1,0 +1,55 @@
+"""A checkpoint of another model or optimizer is refused with the differences named, before Orbax reads it."""
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from clip_jax.checkpoint import CheckpointMismatchError, RunCheckpoints
+from clip_jax.train_step import TrainState
+
+
+def train_state(width: int, *, extra: bool = False, dtype=jnp.float32) -> TrainState:
+    params = {"visual": {"conv1": {"kernel": jnp.arange(4.0 * width, dtype=dtype).reshape(4, width)}},
+              "logit_scale": jnp.asarray(2.0, dtype)}
+    if extra:
+        params["text_projection"] = jnp.ones((width, 3), dtype)
+    return TrainState(params, optax.adamw(1e-3).init(params), jnp.asarray(7, jnp.int32))
+
+
+def abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), async_save=False)
+    data_iter = iter(grain.MapDataset.range(4).to_iter_dataset())
+    checkpoints.save(7, train_state(8), data_iter, {"model": "ViT-tiny-8"})
+    checkpoints.wait()
+    yield checkpoints
+    checkpoints.close()
+
+
+def test_a_state_of_the_same_shapes_restores_also_in_another_dtype(saved):
+    state, meta = saved.restore(7, abstract(train_state(8, dtype=jnp.bfloat16)))
+    assert meta["model"] == "ViT-tiny-8"
+    assert state.params["visual"]["conv1"]["kernel"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(state.params["visual"]["conv1"]["kernel"], np.float32),
+                                  np.arange(32.0).reshape(4, 8))
+
+
+def test_another_width_is_refused_naming_the_leaf_both_shapes_and_the_saved_model(saved):
+    with pytest.raises(CheckpointMismatchError) as error:
+        saved.restore(7, abstract(train_state(16)))
+    message = str(error.value)
+    assert "model ViT-tiny-8" in message and "--config.model" in message
+    assert "params/visual/conv1/kernel: saved (4, 8), this run (4, 16)" in message
+    assert "3 leaves differ" in message  # the kernel and Adam's two moments of it
+
+
+def test_a_leaf_only_this_run_has_is_named(saved):
+    with pytest.raises(CheckpointMismatchError, match="params/text_projection: only in this run"):
+        saved.restore(7, abstract(train_state(8, extra=True)))
