@@ -44,6 +44,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file 
 
 
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+# Across processes a stop signal is agreed on every this many steps (a collective): at most a few step times of
+# SLURM's warning (launch/: --signal=TERM@300).
+STOP_CHECK_EVERY_STEPS = 5
 
 
 class TrainingUnstable(RuntimeError):
@@ -294,18 +297,18 @@ class Trainer:
 
     # -- instability ----------------------------------------------------------------------------------------
 
-    def _roll_back(self, reason: str) -> None:
+    def _roll_back(self, reason: str, at_step: int) -> None:
         """Back to the last checkpoint (the data iterator keeps going: the batches that led here are not
-        replayed), under fp32 if so configured."""
+        replayed), under fp32 if so configured. `at_step`: the step whose loss showed the problem."""
         action = self.config.on_instability
         self.checkpoints.wait()
         step = self.checkpoints.latest_step()
         if action == "stop" or step is None:
-            raise TrainingUnstable(f"{reason} at step {self.step}; "
+            raise TrainingUnstable(f"{reason} at step {at_step}; "
                                    + ("stopping (on_instability='stop')" if step is not None
                                       else "no checkpoint to roll back to yet"))
         if self.rollbacks_to.get(step, 0) >= MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
-            raise TrainingUnstable(f"{reason} at step {self.step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} "
+            raise TrainingUnstable(f"{reason} at step {at_step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} "
                                    f"rollbacks to checkpoint {step}: stopping. Lower the learning rate, or resume "
                                    "under --config.precision=fp32")
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
@@ -313,7 +316,7 @@ class Trainer:
             self.engine = build_engine(self.config, "fp32", self.mesh, self.schedule)
         self.state, _ = self.checkpoints.restore(step, self.engine.abstract_state, None)
         self.rollbacks += 1
-        self._say(f"{reason} at step {self.step}: rolled back to checkpoint {step}, continuing under "
+        self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
                   f"{self.engine.precision} (rollback #{self.rollbacks})")
         self.step = step
 
@@ -341,9 +344,14 @@ class Trainer:
         monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)
         window = None
         window_start, window_steps, data_wait, first_step = time.perf_counter(), 0, 0.0, True
+        # The host reads a step's loss only after dispatching the next one, so the devices never wait for the
+        # host between steps; at a log, save or eval step the reads catch up first.
+        pending = None  # (step, metrics) dispatched but not yet read
         try:
             while self.step < schedule.total_steps:
-                if stop.agreed():
+                if self._stop_check_due() and stop.agreed():
+                    if pending is not None and self._observe(*pending, monitor):
+                        continue  # rolled back: go on from the checkpoint, and stop at the next check
                     self.save(force=True)
                     self.checkpoints.wait()
                     self._say(f"{stop.received or 'stop signal'}: saved checkpoint {self.step} in {self.run_dir}; "
@@ -358,27 +366,29 @@ class Trainer:
                 if first_step:  # compilation is not training speed: time the window from here
                     jax.block_until_ready(metrics)
                     first_step, window_start, window_steps, data_wait = False, time.perf_counter(), 0, 0.0
-                loss, finite = (float(x) for x in jax.device_get((metrics["loss"], metrics["finite"])))
-                if not finite:
-                    self.skipped_updates += 1
-                    log.warning("step %d: non-finite loss or gradients, update skipped", self.step)
-                problem = monitor.observe(loss, bool(finite))
-                if problem:
-                    self._roll_back(problem)
-                    monitor.reset()
+                if pending is not None:
+                    read, pending = pending, None
+                    if self._observe(*read, monitor):
+                        window = None
+                        continue  # the step just dispatched belongs to the abandoned trajectory
+                    window = self._merge(window, read[1])
+                pending = (self.step, metrics)
+                log_due = self.step % c.log_every_n_steps == 0 or self.step == schedule.total_steps
+                save_due, zeroshot_due = self._save_due(), self._zeroshot_due()
+                if not (log_due or save_due or zeroshot_due):
+                    continue
+                read, pending = pending, None  # catch up: what is logged or saved has been checked
+                if self._observe(*read, monitor):
                     window = None
                     continue
-                if finite:  # a skipped step's loss would only turn the window's averages into NaN
-                    update = TrainMetrics.single_from_model_output(**metrics)
-                    window = update if window is None else window.merge(update)
-
-                if self.step % c.log_every_n_steps == 0 or self.step == schedule.total_steps:
+                window = self._merge(window, read[1])
+                if log_due:
                     elapsed = time.perf_counter() - window_start
                     self._log_window(window, window_steps, elapsed, data_wait)
                     window, window_start, window_steps, data_wait = None, time.perf_counter(), 0, 0.0
-                if self._save_due():
+                if save_due:
                     self.save()
-                if self._zeroshot_due():
+                if zeroshot_due:
                     self._record(self.step, self.zeroshot())
             self.save(force=True)
             self.checkpoints.wait()
@@ -392,6 +402,32 @@ class Trainer:
         finally:
             stop.restore()
             self.checkpoints.wait()
+
+    def _stop_check_due(self) -> bool:
+        """Every step in one process; every STOP_CHECK_EVERY_STEPS steps across processes, where agreeing on a
+        signal is a collective that makes the host wait for the devices."""
+        return jax.process_count() == 1 or self.step % STOP_CHECK_EVERY_STEPS == 0
+
+    def _observe(self, step: int, metrics: dict, monitor: InstabilityMonitor) -> bool:
+        """Reads step `step`'s loss; counts a skipped update; rolls back (returning True) when the monitor sees a
+        problem."""
+        loss, finite = (float(x) for x in jax.device_get((metrics["loss"], metrics["finite"])))
+        if not finite:
+            self.skipped_updates += 1
+            log.warning("step %d: non-finite loss or gradients, update skipped", step)
+        problem = monitor.observe(loss, bool(finite))
+        if problem:
+            self._roll_back(problem, at_step=step)
+            monitor.reset()
+            return True
+        return False
+
+    @staticmethod
+    def _merge(window, metrics: dict):
+        if not bool(metrics["finite"]):  # a skipped step's loss would only turn the window's averages into NaN
+            return window
+        update = TrainMetrics.single_from_model_output(**metrics)
+        return update if window is None else window.merge(update)
 
     def _log_window(self, window, steps: int, elapsed: float, data_wait: float) -> None:
         scalars = window_scalars(window) if window is not None else {}

@@ -121,6 +121,29 @@ def test_a_short_run_learns_and_saves(shards, tmp_path):
     assert script_top1 == [pytest.approx(result["zeroshot_top1"], abs=1e-9)]
 
 
+def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_path, monkeypatch):
+    # 8 steps of 64, a log line every 4: between logs the devices always have the next step queued while the
+    # host waits for a loss; at a log (or save) step the host catches up before reporting.
+    trainer = train_lib.Trainer(tiny_config(shards, tmp_path, train_num_samples=512, log_every_n_steps=4,
+                                            save_every_steps=0))
+    events, step_fn, observe = [], trainer.engine.step_fn, trainer._observe
+
+    def dispatch(state, batch):
+        events.append(f"dispatch {trainer.step + 1}")
+        return step_fn(state, batch)
+
+    def read(step, metrics, monitor):
+        events.append(f"read {step}")
+        return observe(step, metrics, monitor)
+
+    trainer.engine.step_fn = dispatch
+    monkeypatch.setattr(trainer, "_observe", read)
+    trainer.train()
+    assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3", "read 4",
+                      "dispatch 5", "dispatch 6", "read 5", "dispatch 7", "read 6", "dispatch 8", "read 7", "read 8"]
+    assert sorted(losses(tmp_path / "run")) == [4, 8]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(shards, tmp_path_factory):
     logs = tmp_path_factory.mktemp("reference")
