@@ -139,8 +139,9 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
     trainer.engine.step_fn = dispatch
     monkeypatch.setattr(trainer, "_observe", read)
     trainer.train()
-    assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3", "read 4",
-                      "dispatch 5", "dispatch 6", "read 5", "dispatch 7", "read 6", "dispatch 8", "read 7", "read 8"]
+    assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3",
+                      "read 4", "dispatch 5", "dispatch 6", "read 5", "dispatch 7", "read 6", "dispatch 8",
+                      "read 7", "read 8"]
     assert sorted(losses(tmp_path / "run")) == [4, 8]
 
 
