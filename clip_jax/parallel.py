@@ -1,7 +1,8 @@
 """Device mesh, shardings of the train state and the global batch.
 
 One mesh axis, `"data"`, spans every device of every process. The batch is split over it; with FSDP the
-parameters and optimizer state are split over the same axis (ZeRO-3 style) and gathered by XLA where used.
+parameters and optimizer state are split over the same axis (ZeRO-3 style) and gathered where used, one layer at
+a time (`clip_jax.train_step.make_forward`).
 """
 
 from collections.abc import Mapping, Sequence
@@ -24,10 +25,10 @@ def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh with axis `"data"` over `devices` (default: all devices of all processes).
 
     The axis is `Auto`, not the `Explicit` default of `jax.make_mesh`: shardings are then fixed only at the
-    jit boundary (train state, batch) and inside `shard_map` (the loss), and XLA propagates them through the
-    model, so the model code carries no sharding annotations and runs unchanged on one device. (Under
-    `Explicit` axes every op of the towers would need a sharding rule, and `shard_map` would refuse inputs
-    not already sharded as its `in_specs` say.)
+    jit boundary (train state, batch), inside `shard_map` (the loss) and, under FSDP, where the train step
+    gathers the weights, and XLA propagates them through the model, so the model code carries no sharding
+    annotations and runs unchanged on one device. (Under `Explicit` axes every op of the towers would need a
+    sharding rule, and `shard_map` would refuse inputs not already sharded as its `in_specs` say.)
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:

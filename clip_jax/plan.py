@@ -36,7 +36,7 @@ from clip_jax.models.layers import Transformer
 from clip_jax.optim import create_optimizer
 from clip_jax.parallel import DATA_AXIS, batch_sharding, create_mesh, state_shardings
 from clip_jax.precision import get_policy
-from clip_jax.train_step import init_train_state, make_train_step
+from clip_jax.train_step import init_train_state, is_fsdp, make_forward, make_train_step
 
 # OpenCLIP's ViT-L/14 LAION-2B run: 72.6 samples/s per A100-40GB (27,862 on 384). Without a measurement of our own,
 # the default MFU is the model FLOP rate that run reached, as a fraction of the A100's peak for the planned precision.
@@ -122,12 +122,11 @@ def compile_train_step(setup: StepSetup, mesh, per_device_batch: int, accum_step
 
 
 def compile_forward(setup: StepSetup, mesh, per_device_batch: int):
-    """Both towers' forward pass (what the FLOPs of a forward are counted on), compiled for `mesh`."""
-    model = _model(setup)
+    """Both towers' forward pass as the train step runs it (what the FLOPs of a forward are counted on), compiled
+    for `mesh`."""
     params = abstract_train_state(setup, mesh).params
-    batch = abstract_batch(setup.model, per_device_batch, mesh)
-    forward = jax.jit(lambda p, images, tokens: model.apply({"params": p}, images, tokens))
-    return forward.lower(params, batch["images"], batch["tokens"]).compile()
+    forward = make_forward(_model(setup), mesh, fsdp=is_fsdp(jax.tree.map(lambda p: p.sharding, params)))
+    return jax.jit(forward).lower(params, abstract_batch(setup.model, per_device_batch, mesh)).compile()
 
 
 # -- memory ----------------------------------------------------------------------------------------------------

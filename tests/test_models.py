@@ -111,6 +111,30 @@ def test_scanned_layers_keep_the_program_size_flat_in_depth():
     assert equations(2) == equations(12)
 
 
+def test_layer_params_hook_maps_each_layers_weights_at_apply_time_only():
+    images, tokens = random_inputs(32, 20, 600, batch=2)
+    plain = create_model(TINY, remat_policy="nothing_saveable")
+    params = init_params(plain, jax.random.key(0))
+    seen = []
+
+    def double(variables):  # one layer's weights, without the layer axis
+        seen.append(variables["params"]["attn"]["in_proj"]["kernel"].shape)
+        return jax.tree.map(lambda w: 2 * w, variables)
+
+    hooked = plain.clone(layer_params_hook=double)
+    got = hooked.apply({"params": params}, images, tokens)
+    # The same as every block's weights doubled in the stored tree, and nothing else.
+    doubled = jax.tree_util.tree_map_with_path(
+        lambda path, w: 2 * w if "resblocks" in jax.tree_util.keystr(path) else w, params)
+    expected = plain.apply({"params": doubled}, images, tokens)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    assert not np.allclose(got[0], plain.apply({"params": params}, images, tokens)[0])
+    assert set(seen) == {(96, 3 * 96), (64, 3 * 64)}  # image and text blocks
+    # Initialisation ignores the hook: the same tree and values.
+    jax.tree.map(np.testing.assert_array_equal, init_params(hooked, jax.random.key(0)), params)
+
+
 def test_bf16_compute_keeps_fp32_params_and_features():
     images, tokens = random_inputs(32, 20, 600, batch=4)
     fp32 = create_model(TINY)

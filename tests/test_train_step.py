@@ -11,10 +11,11 @@ from jax.sharding import PartitionSpec as P
 
 from clip_jax.models import create_model, init_params
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch
+from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch, state_shardings
 from clip_jax.train_step import (
     TrainState,
     create_train_state,
+    init_train_state,
     make_train_step,
     merge_micro_batches,
     split_micro_batches,
@@ -185,3 +186,47 @@ def test_create_train_state_needs_exactly_one_source(model):
     mesh = create_mesh()
     with pytest.raises(ValueError, match="exactly one of rng="):
         create_train_state(model, optax.sgd(0.1), mesh)
+
+
+# Activations dominate its step's memory (65 tokens per image, 4 heads, batch 32 per device), as in real runs.
+MEMORY_MODEL = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 4, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 256, "width": 64, "heads": 4, "layers": 2},
+}
+
+
+def compiled_step_memory(model, n_devices: int, per_device_batch: int, *, fsdp: bool):
+    """XLA's memory analysis of the AdamW train step for `n_devices`, compiled from abstract inputs."""
+    mesh = create_mesh(jax.devices()[:n_devices])
+    tx = create_optimizer(1e-3)
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), tx), jax.random.key(0))
+    shardings = state_shardings(shapes, mesh, fsdp=fsdp)
+    state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                         shapes, shardings)
+    rows, size = per_device_batch * n_devices, model.config.vision.image_size
+    batch = {"images": jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=batch_sharding(mesh)),
+             "tokens": jax.ShapeDtypeStruct((rows, model.config.text.context_length), jnp.int32,
+                                            sharding=batch_sharding(mesh))}
+    step = make_train_step(model, tx, lambda s: 1e-3, mesh, shardings)
+    return step.lower(state, batch).compile().memory_analysis()
+
+
+def test_fsdp_memory_per_device_does_not_grow_with_the_device_count():
+    """At a fixed per-device batch, the FSDP step's temporaries stay flat from 2 to 8 devices (activations split
+    over the batch, weights gathered where used), and a device holds less than a replica does."""
+    model = create_model(MEMORY_MODEL)
+    fsdp = {n: compiled_step_memory(model, n, 32, fsdp=True) for n in (2, 4, 8)}
+    replica = compiled_step_memory(model, 8, 32, fsdp=False)
+    for n in (4, 8):
+        assert fsdp[n].temp_size_in_bytes <= 1.02 * fsdp[2].temp_size_in_bytes, n
+
+    def total(m):
+        return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+    assert total(fsdp[8]) < total(replica)
+    # Beyond a replica's temporaries, FSDP's hold at most the full weights it gathers (a replica's arguments).
+    param_bytes = 4 * sum(math.prod(s.shape) for s in jax.tree.leaves(
+        jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0))))
+    assert fsdp[8].temp_size_in_bytes <= replica.temp_size_in_bytes + param_bytes
+    assert fsdp[8].argument_size_in_bytes < replica.argument_size_in_bytes / 2  # the split state

@@ -1,7 +1,7 @@
 """The two-tower CLIP model, with the text tower at the top of the parameter tree as in OpenCLIP's state_dict."""
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -23,25 +23,30 @@ def l2_normalize(x):
 
 class CLIP(nn.Module):
     """`apply({"params": p}, images, tokens) -> (image_features, text_features, exp(logit_scale))`, features
-    L2-normalised in float32. `method="encode_image"` / `"encode_text"` run one tower."""
+    L2-normalised in float32. `method="encode_image"` / `"encode_text"` run one tower.
+
+    `layer_params_hook`: see `Transformer`; passed to both towers' residual stacks (None: parameters as stored).
+    """
 
     config: CLIPConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
     attention_impl: str | None = None
+    layer_params_hook: Callable | None = None
 
     def setup(self):
         cfg, text = self.config, self.config.text
         self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype, self.param_dtype,
-                                        self.remat_policy, self.attention_impl)
+                                        self.remat_policy, self.attention_impl, self.layer_params_hook)
         self.token_embedding = nn.Embed(text.vocab_size, text.width, dtype=self.dtype, param_dtype=self.param_dtype,
                                         embedding_init=nn.initializers.normal(0.02))
         self.positional_embedding = self.param("positional_embedding", nn.initializers.normal(0.01),
                                                (text.context_length, text.width), self.param_dtype)
         self.transformer = Transformer(text.width, text.layers, text.heads, text.mlp_width, causal=True,
                                        quick_gelu=cfg.quick_gelu, dtype=self.dtype, param_dtype=self.param_dtype,
-                                       remat_policy=self.remat_policy, attention_impl=self.attention_impl)
+                                       remat_policy=self.remat_policy, attention_impl=self.attention_impl,
+                                       layer_params_hook=self.layer_params_hook)
         self.ln_final = LayerNorm(self.dtype, self.param_dtype)
         self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
                                           (text.width, cfg.embed_dim), self.param_dtype)
@@ -59,7 +64,10 @@ class CLIP(nn.Module):
         x = self.token_embedding(tokens) + self.positional_embedding.astype(self.dtype)  # [B, L, W]
         x = self.ln_final(self.transformer(x))
         # Pool at the end-of-text token, the largest id in each row.
-        x = x[jnp.arange(x.shape[0]), jnp.argmax(tokens, axis=-1)]  # [B, W]
+        # take_along_axis keeps the batch a batch dimension of the gather, so it stays split over devices
+        # (indexing x[arange(B), eot] makes every device build, and all-reduce, the whole [B_global, W]).
+        eot = jnp.argmax(tokens, axis=-1)  # [B]
+        x = jnp.take_along_axis(x, eot[:, None, None], axis=1)[:, 0]  # [B, W]
         features = x @ self.text_projection.astype(self.dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 

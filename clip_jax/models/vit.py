@@ -1,5 +1,7 @@
 """The image tower: a ViT with class-token pooling, as OpenCLIP's `VisionTransformer`."""
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -18,6 +20,7 @@ class VisionTransformer(nn.Module):
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
     attention_impl: str | None = None
+    layer_params_hook: Callable | None = None
 
     @nn.compact
     def __call__(self, images):  # [B, H, W, 3] -> [B, embed_dim]
@@ -38,7 +41,8 @@ class VisionTransformer(nn.Module):
         x = LayerNorm(self.dtype, self.param_dtype, name="ln_pre")(x)
         x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
-                        attention_impl=self.attention_impl, name="transformer")(x)
+                        attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
+                        name="transformer")(x)
         pooled = LayerNorm(self.dtype, self.param_dtype, name="ln_post")(x[:, 0])  # [B, W]
         proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
         return pooled @ proj.astype(self.dtype)
