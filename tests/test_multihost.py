@@ -4,6 +4,7 @@ dead process makes its peer exit."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,6 +161,32 @@ def test_killing_one_process_makes_the_other_exit_within_the_heartbeat_timeout(s
     print(f"survivor exited {waited:.1f} s after its peer was killed (heartbeat timeout {heartbeat} s)")
     assert processes[0].returncode != 0
     assert waited < heartbeat * 6 + 30
+
+
+def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(shard_data, tmp_path):
+    # SLURM signals every rank, but not at the same instant: the ranks must agree on one step to save.
+    config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
+    processes = start_ranks(config, 2, 1, log_dir=str(tmp_path))
+    try:
+        deadline = time.time() + 240
+        while not (os.path.exists(tmp_path / "run" / "metrics.jsonl") and losses(tmp_path / "run")):
+            assert time.time() < deadline and all(p.poll() is None for p in processes), \
+                (tmp_path / "rank-0.log").read_text()
+            time.sleep(0.2)
+        processes[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert codes == [0, 0], "\n\n".join(logs)
+    stopped = int(re.search(r"saved checkpoint (\d+)", logs[0]).group(1))
+    assert stopped % train_lib.STOP_CHECK_EVERY_STEPS == 0
+    assert stopped in RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps()
+    files = os.listdir(tmp_path / "run" / "checkpoints" / str(stopped) / "data_iter")
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(files)
 
 
 def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_carry(two_process_run, tmp_path):
