@@ -139,16 +139,21 @@ def test_a_two_process_checkpoint_continues_identically_in_one_process(two_proce
     np.testing.assert_allclose(got, [two[s] for s in range(3, STEPS + 1)], rtol=1e-5)
 
 
+def wait_for_a_logged_step(processes, logs, timeout=240):
+    """Until rank 0 has logged a step of the run in `logs`; fails if a rank exits first."""
+    deadline = time.time() + timeout
+    while not (os.path.exists(logs / "run" / "metrics.jsonl") and losses(logs / "run")):
+        assert time.time() < deadline and all(p.poll() is None for p in processes), \
+            (logs / "rank-0.log").read_text()
+        time.sleep(0.2)
+
+
 def test_killing_one_process_makes_the_other_exit_within_the_heartbeat_timeout(shard_data, tmp_path):
     heartbeat = 5
     config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
     processes = start_ranks(config, 2, 1, heartbeat=heartbeat, log_dir=str(tmp_path))
     try:
-        deadline = time.time() + 240
-        while not (os.path.exists(tmp_path / "run" / "metrics.jsonl") and losses(tmp_path / "run")):
-            assert time.time() < deadline and all(p.poll() is None for p in processes), \
-                (tmp_path / "rank-0.log").read_text()
-            time.sleep(0.2)
+        wait_for_a_logged_step(processes, tmp_path)
         processes[1].send_signal(signal.SIGKILL)
         killed = time.perf_counter()
         processes[0].wait(timeout=heartbeat * 6 + 30)
@@ -168,11 +173,7 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
     config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
     processes = start_ranks(config, 2, 1, log_dir=str(tmp_path))
     try:
-        deadline = time.time() + 240
-        while not (os.path.exists(tmp_path / "run" / "metrics.jsonl") and losses(tmp_path / "run")):
-            assert time.time() < deadline and all(p.poll() is None for p in processes), \
-                (tmp_path / "rank-0.log").read_text()
-            time.sleep(0.2)
+        wait_for_a_logged_step(processes, tmp_path)
         processes[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in processes]
     finally:
