@@ -350,7 +350,9 @@ class Trainer:
         try:
             while self.step < schedule.total_steps:
                 if self._stop_check_due() and stop.agreed():
-                    if pending is not None and self._observe(*pending, monitor):
+                    read, pending = pending, None
+                    if read is not None and self._observe(*read, monitor):
+                        window = None
                         continue  # rolled back: go on from the checkpoint, and stop at the next check
                     self.save(force=True)
                     self.checkpoints.wait()

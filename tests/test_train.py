@@ -145,6 +145,31 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
     assert sorted(losses(tmp_path / "run")) == [4, 8]
 
 
+def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards, tmp_path, monkeypatch):
+    # The stop signal arrives while step 6 (NaN inputs, nan_patience 1) is dispatched but unread: the stop check
+    # reads it first, rolls back to checkpoint 4 once, and stops there.
+    config = tiny_config(shards, tmp_path, log_every_n_steps=100, save_every_steps=4, fault_nan_steps="5",
+                         nan_patience=1)
+    trainer = train_lib.Trainer(config)
+
+    class StopAtStep6:
+        received = "SIGTERM"
+
+        def __init__(self):
+            self.seen = False
+
+        def agreed(self):
+            self.seen = self.seen or trainer.step == 6
+            return self.seen
+
+        def restore(self):
+            pass
+
+    monkeypatch.setattr(train_lib, "StopSignal", StopAtStep6)
+    assert trainer.train() == {"stopped_at": 4}
+    assert trainer.rollbacks == 1 and trainer.skipped_updates == 1
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(shards, tmp_path_factory):
     logs = tmp_path_factory.mktemp("reference")
