@@ -103,6 +103,11 @@ def data_iter_files(directory: str, step: int) -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
+def _saved_tree(state_dir: str):
+    """The saved state's tree with array metadata (shapes, dtypes) at the leaves; reads no array."""
+    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
+
+
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape) for path, leaf in leaves}
@@ -111,8 +116,7 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
 def check_state_matches(directory: str, step: int, abstract_state) -> None:
     """Raises `CheckpointMismatchError` naming the differences when checkpoint `step` does not hold a state of
     `abstract_state`'s structure and shapes (another model, another optimizer); dtypes may differ."""
-    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(os.path.join(directory, str(step), STATE))).tree
-    saved = _shapes(tree)
+    saved = _shapes(_saved_tree(os.path.join(directory, str(step), STATE)))
     wanted = _shapes(abstract_state)
     if saved == wanted:
         return
@@ -167,9 +171,7 @@ def read_params(path: str) -> dict:
 
     directory, step = resolve_resume(path, run_dir=path)
     state_dir = os.path.join(directory, str(step), STATE)
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(state_dir).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    state = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))
+    state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
     return jax.tree.map(lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                         state["params"])

@@ -314,7 +314,7 @@ class Trainer:
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
         if action == "rollback_fp32" and self.engine.precision != "fp32":
             self.engine = build_engine(self.config, "fp32", self.mesh, self.schedule)
-        self.state, _ = self.checkpoints.restore(step, self.engine.abstract_state, None)
+        self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
         self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
                   f"{self.engine.precision} (rollback #{self.rollbacks})")

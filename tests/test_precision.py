@@ -12,12 +12,7 @@ from clip_jax.optim import create_optimizer
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import POLICIES, cast_params, get_policy
 from clip_jax.train_step import create_train_state, make_train_step
-
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
+from test_train_step import TINY, random_batch
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
 
 
@@ -48,11 +43,7 @@ def fp32_params():
 
 @pytest.fixture(scope="module")
 def batch():
-    rng = np.random.default_rng(0)
-    return {
-        "images": rng.normal(size=(GLOBAL_BATCH, 32, 32, 3)).astype(np.float32),
-        "tokens": rng.integers(1, 1000, size=(GLOBAL_BATCH, 16)).astype(np.int32),
-    }
+    return random_batch(GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")

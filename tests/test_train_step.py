@@ -9,13 +9,13 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from clip_jax import plan
 from clip_jax.models import create_model, init_params
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch, state_shardings
+from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch
 from clip_jax.train_step import (
     TrainState,
     create_train_state,
-    init_train_state,
     make_train_step,
     merge_micro_batches,
     split_micro_batches,
@@ -40,13 +40,18 @@ def params(model):
     return jax.tree.map(np.asarray, init_params(model, jax.random.key(0)))
 
 
-@pytest.fixture(scope="module")
-def batch():
+def random_batch(rows: int) -> dict[str, np.ndarray]:
+    """Images and tokens for the TINY model (token ids below its vocabulary of 1000)."""
     rng = np.random.default_rng(0)
     return {
-        "images": rng.normal(size=(GLOBAL_BATCH, 32, 32, 3)).astype(np.float32),
-        "tokens": rng.integers(1, 1000, size=(GLOBAL_BATCH, 16)).astype(np.int32),
+        "images": rng.normal(size=(rows, 32, 32, 3)).astype(np.float32),
+        "tokens": rng.integers(1, 1000, size=(rows, 16)).astype(np.int32),
     }
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return random_batch(GLOBAL_BATCH)
 
 
 def sgd_step(model, params, batch, *, n_devices, accum_steps=1, fsdp=False):
@@ -198,18 +203,8 @@ MEMORY_MODEL = {
 
 def compiled_step_memory(model, n_devices: int, per_device_batch: int, *, fsdp: bool):
     """XLA's memory analysis of the AdamW train step for `n_devices`, compiled from abstract inputs."""
-    mesh = create_mesh(jax.devices()[:n_devices])
-    tx = create_optimizer(1e-3)
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), tx), jax.random.key(0))
-    shardings = state_shardings(shapes, mesh, fsdp=fsdp)
-    state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                         shapes, shardings)
-    rows, size = per_device_batch * n_devices, model.config.vision.image_size
-    batch = {"images": jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=batch_sharding(mesh)),
-             "tokens": jax.ShapeDtypeStruct((rows, model.config.text.context_length), jnp.int32,
-                                            sharding=batch_sharding(mesh))}
-    step = make_train_step(model, tx, lambda s: 1e-3, mesh, shardings)
-    return step.lower(state, batch).compile().memory_analysis()
+    mesh, setup = create_mesh(jax.devices()[:n_devices]), plan.StepSetup(model.config, fsdp=fsdp)
+    return plan.compile_train_step(setup, mesh, per_device_batch).memory_analysis()
 
 
 def test_fsdp_memory_per_device_does_not_grow_with_the_device_count():
