@@ -131,11 +131,6 @@ def check_state_matches(directory: str, step: int, abstract_state) -> None:
         + ". Set --config.model to the checkpoint's model, or resume from a checkpoint of this model.")
 
 
-def abstract_like(state, shardings):
-    """`jax.ShapeDtypeStruct` leaves with the given shardings, for `RunCheckpoints.restore`."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-
-
 def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
     """(checkpoints directory, step) that `resume` names: "latest" is the newest checkpoint of this run (None when
     there is none: the run starts fresh, so one command both starts and continues a preemptible job); a run

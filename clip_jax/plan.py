@@ -29,14 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from clip_jax import train_step
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params
 from clip_jax.models.flops import forward_flops, train_flops
 from clip_jax.models.layers import Transformer
 from clip_jax.optim import create_optimizer
-from clip_jax.parallel import DATA_AXIS, batch_sharding, create_mesh, state_shardings
+from clip_jax.parallel import DATA_AXIS, batch_sharding, create_mesh
 from clip_jax.precision import get_policy
-from clip_jax.train_step import init_train_state, is_fsdp, make_forward, make_train_step
+from clip_jax.train_step import is_fsdp, make_forward, make_train_step
 
 # OpenCLIP's ViT-L/14 LAION-2B run: 72.6 samples/s per A100-40GB (27,862 on 384). Without a measurement of our own,
 # the default MFU is the model FLOP rate that run reached, as a fraction of the A100's peak for the planned precision.
@@ -96,11 +97,7 @@ def _optimizer(setup: StepSetup) -> optax.GradientTransformation:
 
 def abstract_train_state(setup: StepSetup, mesh) -> Any:
     """The train state as ShapeDtypeStructs carrying their shardings: shapes only, nothing allocated."""
-    model, optimizer = _model(setup), _optimizer(setup)
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
-    shardings = state_shardings(shapes, mesh, fsdp=setup.fsdp)
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                        shapes, shardings)
+    return train_step.abstract_train_state(_model(setup), _optimizer(setup), mesh, fsdp=setup.fsdp)
 
 
 def abstract_batch(config: CLIPConfig, per_device_batch: int, mesh) -> dict[str, jax.ShapeDtypeStruct]:

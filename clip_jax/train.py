@@ -24,8 +24,8 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import data
-from clip_jax.checkpoint import (RunCheckpoints, abstract_like, data_iter_files, latest_complete_step, read_meta,
-                                 resolve_resume, saved_process_count)
+from clip_jax.checkpoint import (RunCheckpoints, data_iter_files, latest_complete_step, read_meta, resolve_resume,
+                                 saved_process_count)
 from clip_jax.config import check_config
 from clip_jax.distributed import DistributedInitError, initialize_from_environment
 from clip_jax.hardware import gpu_for_device_kind
@@ -33,10 +33,10 @@ from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, win
 from clip_jax.models import create_model, init_params
 from clip_jax.models.flops import train_flops
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import create_mesh, make_global_batch, state_shardings
+from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import get_policy
 from clip_jax.stability import InstabilityMonitor
-from clip_jax.train_step import init_train_state, make_train_step
+from clip_jax.train_step import abstract_train_state, init_train_state, make_train_step
 
 log = logging.getLogger("clip_jax.train")
 
@@ -151,10 +151,10 @@ def build_engine(config, precision: str, mesh, schedule: Schedule) -> Engine:
     lr_fn = warmup_cosine_schedule(config.lr, config.warmup, schedule.total_steps)
     optimizer = create_optimizer(lr_fn, weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                  grad_clip_norm=config.grad_clip_norm or None)
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
-    shardings = state_shardings(shapes, mesh, fsdp=config.fsdp)
+    abstract_state = abstract_train_state(model, optimizer, mesh, fsdp=config.fsdp)
+    shardings = jax.tree.map(lambda s: s.sharding, abstract_state)
     step_fn = make_train_step(model, optimizer, lr_fn, mesh, shardings, accum_steps=config.accum_freq)
-    return Engine(precision, model, optimizer, abstract_like(shapes, shardings), shardings, step_fn)
+    return Engine(precision, model, optimizer, abstract_state, shardings, step_fn)
 
 
 def fresh_state(engine: Engine, seed: int):

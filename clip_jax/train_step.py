@@ -39,6 +39,15 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
+def abstract_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh, *, fsdp: bool = False):
+    """The train state as `jax.ShapeDtypeStruct`s carrying their shardings: shapes only, nothing allocated (what
+    compiling ahead of time and restoring a checkpoint need)."""
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    shardings = state_shardings(shapes, mesh, fsdp=fsdp)
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                        shapes, shardings)
+
+
 def create_train_state(
     model, optimizer: optax.GradientTransformation, mesh: Mesh, *, rng=None, params=None, fsdp: bool = False
 ) -> tuple[TrainState, Any]:
