@@ -14,6 +14,9 @@ import jax.numpy as jnp
 
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
 ATTENTION_IMPLS = (None, "xla", "cudnn")
+# cuDNN's fused attention takes sequence lengths that are multiples of this (ViT-L/14's 257 tokens and the text
+# tower's 77 are not): `attention` pads to it and masks the padding.
+CUDNN_SEQ_MULTIPLE = 8
 
 Dtype = Any
 
@@ -60,6 +63,25 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
+def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple: int | None = None):
+    """`jax.nn.dot_product_attention` over [B, T, N, H] inputs, with T padded up to a multiple of `pad_to_multiple`
+    (by default cuDNN's, for the cuDNN kernel only). The padded keys are masked out through `key_value_seq_lengths`
+    and the padded queries through `query_seq_lengths`; their rows are cut off the output, so no gradient reaches
+    them. Under a causal mask no real query sees a padded key anyway (they come after it).
+    """
+    if pad_to_multiple is None:
+        pad_to_multiple = CUDNN_SEQ_MULTIPLE if implementation == "cudnn" else 1
+    batch, length = q.shape[:2]
+    padding = -length % pad_to_multiple
+    if padding == 0:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))  # noqa: E731
+    lengths = jnp.full((batch,), length, jnp.int32)
+    out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths,
+                                       key_value_seq_lengths=lengths, implementation=implementation)
+    return out[:, :length]
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a packed q,k,v projection (`in_proj`) and an output projection."""
 
@@ -78,7 +100,7 @@ class Attention(nn.Module):
         qkv = nn.Dense(3 * self.width, dtype=self.dtype, param_dtype=self.param_dtype,
                        kernel_init=nn.initializers.normal(self.width**-0.5), name="in_proj")(x)  # [B, T, 3W]
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.heads, head_dim), 3, axis=2)  # [B, T, N, H] each
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.attention_impl)
+        out = attention(q, k, v, self.causal, self.attention_impl)  # [B, T, N, H]
         out = out.reshape(batch, length, self.width)
         return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
                         kernel_init=nn.initializers.normal(self.out_std), name="out_proj")(out)
