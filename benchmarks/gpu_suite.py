@@ -2,23 +2,27 @@
 per-device batches, and OpenCLIP's own training step on the same GPU with the same model, batch and precision.
 
     bash benchmarks/gpu_suite.sh                     # on the GPU machine: installs carried wheels, then this
-    python benchmarks/gpu_suite.py --out DIR [--phases core,sweep] [--time-budget 500]
+    python benchmarks/gpu_suite.py --out DIR [--phases matmul,core,sweep] [--time-budget 500]
+    python benchmarks/gpu_suite.py --out DIR --phases matmul,specs --specs benchmarks/specs/h200_tuning.json
     python benchmarks/gpu_suite.py --tiny --out DIR  # smoke test on the CPU: a tiny model, tiny batches
 
 Every measurement runs in a process of its own (`--one SPEC`), so that JAX and torch never hold the GPU's memory at
 the same time and an out-of-memory run does not take the next one with it. The order puts what matters most first,
-since the time budget may end the suite early (every run not started is recorded as skipped):
+since the time budget may end the suite early (every run not started is recorded as skipped). Phases run in the
+order `--phases` gives:
 
-- core, at the base batch: for each precision and remat policy, clip_jax with each attention kernel, then OpenCLIP
-  with the same precision (`amp_bf16` autocast for bf16; TF32 matmuls for fp32, as OpenCLIP's `main` sets them) and
-  gradient checkpointing when the policy rematerialises;
-- sweep: the fastest bf16 clip_jax setting and the fastest bf16 OpenCLIP setting of the core, at every other batch.
+- matmul: an 8192^3 product per precision through XLA, the measured peak that MFU* is quoted against;
+- core (core:bf16, core:fp32: one precision), at the base batch: for each precision and remat policy, clip_jax
+  with each attention kernel, then OpenCLIP with the same precision (`amp_bf16` autocast for bf16; TF32 matmuls for
+  fp32, as OpenCLIP's `main` sets them) and gradient checkpointing when the policy rematerialises;
+- sweep: the fastest bf16 clip_jax setting and the fastest bf16 OpenCLIP setting of the core, at every other batch;
+- specs: the runs a JSON file lists (benchmarks/specs/), each with optional extra `xla_flags` for its process.
 
 A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
-back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's dense peak
-for the precision (clip_jax.hardware). clip_jax runs also record XLA's memory analysis on the GPU and the allocator's
-peak; bf16 runs with XLA's attention also compile the same step with the planner on the CPU
-(`clip_jax.plan`), to compare its estimate.
+back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's datasheet
+peak for the precision (clip_jax.hardware), MFU* against the matmul phase's measured peak. clip_jax runs also record
+XLA's memory analysis on the GPU and the allocator's peak; bf16 runs with XLA's attention also compile the same step
+with the planner on the CPU (`clip_jax.plan`), to compare its estimate.
 
 Writes DIR/gpu_suite.jsonl (one line per run, as each ends), DIR/gpu_suite.txt (the table) and DIR/gpu_env.json.
 """
@@ -182,12 +186,39 @@ def measure_open_clip(spec: dict) -> dict:
 
         gpu = gpu_for_device_kind(torch.cuda.get_device_name())
         flops = train_flops(get_model_config(spec["model"]))
+        result["model_flops_per_sample"] = flops
         result["mfu"] = samples_per_s * flops / (gpu.peak_tflops(spec["precision"]) * 1e12) if gpu else None
     return result
 
 
+def measure_matmul(spec: dict) -> dict:
+    """The dense matmul rate this GPU reaches through XLA (an n x n x n product in the precision's dtype; fp32 runs
+    at JAX's default precision, TF32 on the GPU): the measured peak that MFU is also reported against."""
+    import jax
+    import jax.numpy as jnp
+
+    n = spec["batch"]
+    dtype = jnp.bfloat16 if spec["precision"] == "bf16" else jnp.float32
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    product = jax.jit(lambda a, b: a @ b)
+    out = None
+
+    def run_steps(k: int) -> None:
+        nonlocal out
+        for _ in range(k):
+            out = product(a, b)
+        jax.block_until_ready(out)
+
+    rounds = timed_rounds(run_steps, spec["steps"], spec["rounds"], spec["warmup"])
+    return {"tflops": 2 * n**3 * spec["steps"] / statistics.median(rounds) / 1e12, "round_s": rounds,
+            "device_kind": jax.devices()[0].device_kind}
+
+
 def measure(spec: dict) -> dict:
     """One run, in this process: the spec and its numbers."""
+    if spec["framework"] == "matmul":
+        return {**spec, "status": "ok", **measure_matmul(spec)}
     if spec["framework"] == "clip_jax":
         if spec["attention"] == "cudnn":
             import jax
@@ -203,9 +234,12 @@ def measure(spec: dict) -> dict:
 def run_isolated(spec: dict, timeout: float) -> dict:
     """`measure(spec)` in a fresh process; failures (out of memory, timeouts) become a status."""
     command = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)]
+    env = dict(os.environ)
+    if spec.get("xla_flags"):  # extra XLA flags for this run only
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {spec['xla_flags']}".strip()
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         return {**spec, "status": "timeout", "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
@@ -224,10 +258,10 @@ def spec_for(args, framework: str, precision: str, remat: str, batch: int, atten
             "warmup": args.warmup, "planner_check": planner_check}
 
 
-def core_specs(args) -> list[dict]:
+def core_specs(args, precisions: list[str]) -> list[dict]:
     """Per precision and remat policy: clip_jax with each attention kernel, then OpenCLIP (once per checkpointing)."""
     specs, open_clip_done = [], set()
-    for precision in args.precisions:
+    for precision in precisions:
         for remat in args.remats:
             for attention in args.attentions:
                 if attention == "cudnn" and precision == "fp32":
@@ -248,19 +282,31 @@ def best(results: list[dict], framework: str) -> dict | None:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = [(f"{'framework':<10}{'prec':<6}{'remat':<18}{'attn':<7}{'batch':>6}{'status':>9}{'samples/s':>11}"
-              f"{'MFU':>7}{'compile s':>10}{'GPU GiB':>9}{'plan GiB':>9}")]
+    measured_peak = {r["precision"]: r["tflops"] for r in results if r["framework"] == "matmul" and r["status"] == "ok"}
+    lines = [f"matmul {r['precision']} {r['batch']}^3: "
+             + (f"{r['tflops']:.4g} TFLOP/s (measured peak)" if r["status"] == "ok" else r["status"])
+             for r in results if r["framework"] == "matmul"]
+    lines.append(f"{'framework':<10}{'prec':<6}{'remat':<18}{'attn':<7}{'batch':>6}{'status':>9}{'samples/s':>11}"
+                 f"{'MFU':>7}{'MFU*':>7}{'compile s':>10}{'GPU GiB':>9}{'plan GiB':>9}")
     for r in results:
+        if r["framework"] == "matmul":
+            continue
         ok = r["status"] == "ok"
         rate = f"{r['samples_per_s']:.1f}" if ok else "-"
         mfu = f"{r['mfu']:.1%}" if ok and r.get("mfu") is not None else "-"
+        flops = r.get("model_flops_per_sample")
+        mfu_measured = (f"{r['samples_per_s'] * flops / (measured_peak[r['precision']] * 1e12):.1%}"
+                        if ok and flops and r["precision"] in measured_peak else "-")
         compile_s = f"{r['compile_s']:.1f}" if ok and "compile_s" in r else "-"
         peak = r.get("peak_bytes_in_use") or r.get("peak_bytes_allocated")
         peak = f"{peak / 2**30:.1f}" if ok and peak else "-"
         planned = r.get("planner_cpu_estimate_bytes")
         planned = f"{planned / 2**30:.1f}" if planned else "-"
         lines.append(f"{r['framework']:<10}{r['precision']:<6}{r['remat']:<18}{r['attention']:<7}{r['batch']:>6}"
-                     f"{r['status']:>9}{rate:>11}{mfu:>7}{compile_s:>10}{peak:>9}{planned:>9}")
+                     f"{r['status']:>9}{rate:>11}{mfu:>7}{mfu_measured:>7}{compile_s:>10}{peak:>9}{planned:>9}"
+                     + (f"  {r['xla_flags']}" if r.get("xla_flags") else ""))
+    lines.append("MFU: model FLOPs (3x forward) over the datasheet's dense peak; "
+                 "MFU*: over the matmul peak measured above")
     pairs = [(r, o) for r in results for o in results
              if r["framework"] == "clip_jax" and o["framework"] == "open_clip" and r["status"] == o["status"] == "ok"
              and r["precision"] == o["precision"] and r["batch"] == o["batch"]
@@ -293,13 +339,30 @@ def environment() -> dict:
     return env
 
 
+def sweep(args, results: list[dict], run) -> None:
+    """The fastest bf16 setting of each framework so far, at every other batch."""
+    ours, theirs = best(results, "clip_jax"), best(results, "open_clip")
+    if ours is None:  # the core did not run or nothing succeeded: sweep the first configured setting
+        ours = spec_for(args, "clip_jax", "bf16", args.remats[0], args.base_batch, args.attentions[0])
+    if theirs is None:
+        theirs = spec_for(args, "open_clip", "bf16", args.remats[0], args.base_batch)
+    for batch in (int(b) for b in args.batches.split(",")):
+        for chosen in (ours, theirs):
+            run(spec_for(args, chosen["framework"], chosen["precision"], chosen["remat"], batch,
+                         chosen["attention"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--one", help="run one spec (JSON) in this process and print its result")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
     parser.add_argument("--model", default="ViT-L-14")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model and tiny batches")
-    parser.add_argument("--phases", default="core,sweep")
+    parser.add_argument("--phases", default="matmul,core,sweep",
+                        help="run in this order: matmul (the measured peak), core (every precision), "
+                             "core:PRECISION (one), sweep, specs (the runs listed in --specs)")
+    parser.add_argument("--specs", help="JSON file: a list of runs ({framework, precision, remat, batch, attention, "
+                                        "xla_flags?}) for the specs phase")
     parser.add_argument("--precisions", default="bf16,fp32")
     parser.add_argument("--remats", default="none,nothing_saveable,dots_saveable")
     parser.add_argument("--attentions", default="cudnn,xla")
@@ -320,7 +383,7 @@ def main() -> None:
         args.steps, args.rounds, args.warmup = 2, 2, 1
     args.precisions, args.remats = args.precisions.split(","), args.remats.split(",")
     args.attentions = args.attentions.split(",")
-    phases = set(args.phases.split(","))
+    phases = args.phases.split(",")
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,23 +402,29 @@ def main() -> None:
         results.append(result)
         with results_file.open("a") as f:
             f.write(json.dumps(result) + "\n")
-        rate = f"{result['samples_per_s']:.1f} samples/s" if result["status"] == "ok" else result["status"]
+        rate = result["status"]
+        if result["status"] == "ok":
+            rate = (f"{result['tflops']:.0f} TFLOP/s" if spec["framework"] == "matmul"
+                    else f"{result['samples_per_s']:.1f} samples/s")
+        flags = f" xla_flags={spec['xla_flags']}" if spec.get("xla_flags") else ""
         print(f"{spec['framework']} {spec['precision']} remat={spec['remat']} attn={spec['attention']} "
-              f"batch={spec['batch']}: {rate}", flush=True)
+              f"batch={spec['batch']}{flags}: {rate}", flush=True)
 
-    if "core" in phases:
-        for spec in core_specs(args):
-            run(spec)
-    if "sweep" in phases:
-        ours, theirs = best(results, "clip_jax"), best(results, "open_clip")
-        if ours is None:  # the core did not run or nothing succeeded: sweep the first configured setting
-            ours = spec_for(args, "clip_jax", "bf16", args.remats[0], args.base_batch, args.attentions[0])
-        if theirs is None:
-            theirs = spec_for(args, "open_clip", "bf16", args.remats[0], args.base_batch)
-        for batch in (int(b) for b in args.batches.split(",")):
-            for chosen in (ours, theirs):
-                run(spec_for(args, chosen["framework"], chosen["precision"], chosen["remat"], batch,
-                             chosen["attention"]))
+    for phase in phases:
+        if phase == "specs":
+            for extra in json.loads(pathlib.Path(args.specs).read_text()):
+                run({**spec_for(args, extra["framework"], extra["precision"], extra["remat"], extra["batch"],
+                                extra.get("attention", "-")), **extra})
+        elif phase == "matmul":
+            for precision in args.precisions:
+                run({**spec_for(args, "matmul", precision, "-", 1024 if args.tiny else 8192), "steps": 10})
+        elif phase == "core" or phase.startswith("core:"):
+            for spec in core_specs(args, args.precisions if phase == "core" else [phase.split(":", 1)[1]]):
+                run(spec)
+        elif phase == "sweep":
+            sweep(args, results, run)
+        else:
+            parser.error(f"unknown phase {phase!r}: core, core:PRECISION or sweep")
     table = format_table(results)
     (out / "gpu_suite.txt").write_text(table + "\n")
     print(table)
