@@ -5,6 +5,7 @@ transposes. Parameters are stored in `param_dtype` and cast to the compute `dtyp
 statistics are always computed in float32.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -152,9 +153,10 @@ class Transformer(nn.Module):
     """`layers` residual blocks stacked with `nn.scan` (one compiled block whatever the depth), each optionally
     rematerialised under a named `jax.checkpoint` policy. Parameters under `resblocks` carry a leading layer axis.
 
-    `layer_params_hook`, when set, maps the parameters of the layer being run (`{"params": {...}}`, without the
-    layer axis) before the block uses them, inside the scan and inside remat: the train step gathers FSDP-split
-    weights with it one layer at a time. It applies when the model is applied, not when it is initialised.
+    `layer_params_hook(variables, layers=...)`, when set, maps the parameters of the layer being run
+    (`{"params": {...}}`, without the layer axis; `layers`: the depth of the stack they come from) before the block
+    uses them, inside the scan and inside remat: the train step gathers FSDP-split weights with it one layer at a
+    time. It applies when the model is applied, not when it is initialised.
     """
 
     width: int
@@ -173,7 +175,8 @@ class Transformer(nn.Module):
     def __call__(self, x):  # [B, T, W]
         block = ResidualBlock
         if self.layer_params_hook is not None and not self.is_initializing():
-            block = nn.map_variables(block, "params", trans_in_fn=self.layer_params_hook)
+            hook = functools.partial(self.layer_params_hook, layers=self.layers)
+            block = nn.map_variables(block, "params", trans_in_fn=hook)
         if self.remat_policy != "none":
             block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
