@@ -31,6 +31,10 @@ setup(
         "fsspec>=2026.1.0",
     ],
     extras_require={
+        # XLA:GPU: the planner compiles for GPUs without one (clip_jax.xla_gpu), and training runs on NVIDIA GPUs.
+        # jaxlib's CUDA 13 plugin and NVIDIA's libraries: about 4.4 GB of wheels (most of them shared with torch's
+        # CUDA build, which the test extra brings).
+        "gpu": ["jax[cuda13]"],
         # The parity tests run the real OpenCLIP package; pip takes these torch builds from local files where present.
         "test": [
             "pytest>=9.0",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for clip_jax: Debian's Fashion-MNIST (the embedded demo data) and a virtual environment
-# in .venv holding clip_jax with its test extras (the real OpenCLIP package, for the parity tests).
+# in .venv holding clip_jax with its test extras (the real OpenCLIP package, for the parity tests) and its gpu extra
+# (jaxlib's CUDA plugin: the XLA:GPU planner and its tests compile for GPUs without one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,5 +21,5 @@ fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,gpu]'
 echo "clip_jax is set up in .venv ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__)'))"

@@ -7,10 +7,15 @@ Measured and modelled, as the output labels them:
 
 - parameters: counted from the parameter tree;
 - memory per device: XLA's memory analysis of the train step `clip_jax.train` runs, compiled for the planned number
-  of devices (one simulated CPU device per GPU) with abstract inputs, so nothing is allocated. XLA:CPU compiles it,
-  not XLA:GPU, whose fusions, scheduling and attention kernels (cuDNN) differ: an estimate, not a GPU measurement;
+  of devices with abstract inputs, so nothing is allocated. With jaxlib's CUDA plugin installed (`.[gpu]`) XLA:GPU
+  compiles it for the planned GPU and topology without a GPU (`clip_jax.xla_gpu`; on an H200 its figure was within
+  7% of the allocator's peak); otherwise XLA:CPU does, over one simulated device per GPU, whose fusions and
+  attention (no cuDNN) differ: an estimate that runs far higher (23.2 against 14.4 GiB for the reference step);
 - the largest per-device batch: bisection on that compiled memory;
-- FLOPs per sample: analytic (`clip_jax.models.flops`) and XLA's cost analysis of the compiled programs;
+- with XLA:GPU, the collectives of the step (count and bytes per device, loop trips counted) and cuDNN's fused
+  attention;
+- FLOPs per sample: analytic (`clip_jax.models.flops`) and XLA:CPU's cost analysis of the compiled programs (XLA:GPU
+  gives none);
 - speed: a model, samples/s = MFU x peak FLOP/s / model FLOPs per sample, at a stated MFU;
 - data loading: the input pipeline's measured rate per CPU core;
 - time, GPU-hours and cost: arithmetic on the above.
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clip_jax import train_step
+from clip_jax import train_step, xla_gpu
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params
 from clip_jax.models.flops import forward_flops, train_flops
@@ -45,12 +50,18 @@ REFERENCE_SAMPLES_PER_S = 72.6
 REFERENCE_GPU = "a100-40gb"
 REFERENCE_MODEL = "ViT-L-14"
 # clip_jax's own GPU measurements, (gpu, precision) -> (MFU, where it was recorded); used before the reference.
-MEASURED_MFU: dict[tuple[str, str], tuple[float, str]] = {}
+MEASURED_MFU: dict[tuple[str, str], tuple[float, str]] = {
+    ("h200", "bf16"): (0.317, "measured: clip_jax's ViT-L-14 bf16 step on one H200, remat dots_saveable, cuDNN "
+                              "attention, batch 256: 596.7 samples/s (benchmarks/RESULTS.md, 2026-11-30)"),
+    ("h200", "fp32"): (0.282, "measured: clip_jax's ViT-L-14 fp32 step on one H200, remat dots_saveable, batch 256: "
+                              "264.7 samples/s (benchmarks/RESULTS.md, 2026-11-30)"),
+}
 # benchmarks/data_pipeline.py, 2026-11-30: read + decode + RandomResizedCrop(224) + normalise + tokenize + batch,
 # 256 px JPEGs, samples per CPU-second on one core of an Intel Xeon (larger source images decode slower).
 PIPELINE_SAMPLES_PER_CORE_S = 329.0
-# JAX takes this fraction of GPU memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION); set both to plan for more.
-DEFAULT_MEMORY_FRACTION = 0.75
+# The fraction of GPU memory JAX may take: launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to the same (JAX's own
+# default is 0.75); plan with the fraction the run will have.
+DEFAULT_MEMORY_FRACTION = 0.92
 MAX_SIMULATED_DEVICES = 4096
 TOWERS = ("image", "text")
 
@@ -71,23 +82,34 @@ class StepSetup:
     remat_policy: str = "none"  # applied to every residual block; "none": keep all activations
     fsdp: bool = False
     grad_clip: bool = False
+    attention_impl: str | None = None  # None: XLA's attention (the only one XLA:CPU compiles); "cudnn" on XLA:GPU
 
     @classmethod
-    def from_config(cls, config) -> "StepSetup":
+    def from_config(cls, config, compiler: str = "cpu") -> "StepSetup":
         get_policy(config.precision)  # fails on a bad name
         return cls(get_model_config(config.model), config.precision,
                    config.remat_policy if config.grad_checkpointing else "none", bool(config.fsdp),
-                   config.grad_clip_norm > 0)
+                   config.grad_clip_norm > 0, planned_attention(config.attention_impl, config.precision, compiler))
 
     def describe(self) -> str:
-        return f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}"
+        return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
+                f"attention {self.attention_impl or 'xla'}")
+
+
+def planned_attention(attention_impl: str, precision: str, compiler: str) -> str | None:
+    """The attention kernel the planned step compiles with: what the config asks for ("auto": cuDNN's fused
+    attention on a GPU in bf16, the fastest measured; XLA's otherwise), and XLA's wherever XLA:CPU compiles."""
+    if compiler == "cpu":
+        return None
+    if attention_impl == "auto":
+        return "cudnn" if precision != "fp32" else None
+    return None if attention_impl == "xla" else attention_impl
 
 
 def _model(setup: StepSetup):
     policy = get_policy(setup.precision)
-    # attention_impl None: XLA's attention, the one XLA:CPU can compile.
     return create_model(setup.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                        remat_policy=setup.remat_policy)
+                        remat_policy=setup.remat_policy, attention_impl=setup.attention_impl)
 
 
 def _optimizer(setup: StepSetup) -> optax.GradientTransformation:
@@ -110,12 +132,14 @@ def abstract_batch(config: CLIPConfig, per_device_batch: int, mesh) -> dict[str,
 
 
 def compile_train_step(setup: StepSetup, mesh, per_device_batch: int, accum_steps: int = 1):
-    """`make_train_step`'s step, compiled for `mesh` from abstract inputs."""
+    """`make_train_step`'s step, compiled for `mesh` from abstract inputs (by XLA:GPU when the mesh's devices are
+    compile-only GPUs)."""
     state = abstract_train_state(setup, mesh)
     shardings = jax.tree.map(lambda s: s.sharding, state)
     step = make_train_step(_model(setup), _optimizer(setup), optax.constant_schedule(1e-3), mesh, shardings,
                            accum_steps=accum_steps)
-    return step.lower(state, abstract_batch(setup.model, per_device_batch, mesh)).compile()
+    lowered = step.lower(state, abstract_batch(setup.model, per_device_batch, mesh))
+    return xla_gpu.compile_lowered(lowered) if mesh.devices.flat[0].platform == "gpu" else lowered.compile()
 
 
 def compile_forward(setup: StepSetup, mesh, per_device_batch: int):
@@ -414,25 +438,35 @@ def _gpu_table(setup: StepSetup, model_train_flops: float, mfu: float | None, me
 
 def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mfu: float | None = None,
          memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline_rate: float = PIPELINE_SAMPLES_PER_CORE_S,
-         devices=None, search_batch: bool = True, progress: Callable[[str], None] = lambda message: None) -> dict:
+         compiler: str = "cpu", topology: str | None = None, devices=None, search_batch: bool = True,
+         progress: Callable[[str], None] = lambda message: None) -> dict:
     """The plan for training `config` on `num_gpus` GPUs of kind `gpu_name`, as a JSON-ready dict.
 
-    `devices`: the JAX devices to compile for, one per GPU (default: the first `num_gpus` of `jax.devices()`).
+    `compiler`: "gpu" compiles the step with XLA:GPU for `topology` ("NODESxGPUS", see `xla_gpu.parse_topology`)
+    without a GPU; "cpu" with XLA:CPU over `devices`, one per GPU (default: the first `num_gpus` of
+    `jax.devices()`).
     """
     gpu = get_gpu(gpu_name)
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
-    devices = list(jax.devices()[:num_gpus] if devices is None else devices)
+    if compiler not in ("cpu", "gpu"):
+        raise ValueError(f"compiler={compiler!r}: choose cpu or gpu")
+    if compiler == "gpu":
+        nodes, per_node = xla_gpu.parse_topology(topology, num_gpus)
+        devices = xla_gpu.devices(gpu, nodes, per_node)
+        where = f"{num_gpus} x {gpu.name} ({nodes} node{'s' * (nodes > 1)} x {per_node}, deviceless XLA:GPU)"
+    else:
+        devices = list(jax.devices()[:num_gpus] if devices is None else devices)
+        where = f"{num_gpus} simulated device{'s' * (num_gpus > 1)}"
     if len(devices) != num_gpus:
         raise ValueError(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
                          "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
-    setup = StepSetup.from_config(config)
+    setup = StepSetup.from_config(config, compiler)
     batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
         raise ValueError(f"batch_size={batch_size} (per device) must be a positive multiple of "
                          f"accum_freq={accum_freq}")
     mesh = create_mesh(devices)
     budget = int(gpu.memory_bytes * memory_fraction)
-    where = f"{num_gpus} simulated device{'s' * (num_gpus > 1)}"
 
     compiled_steps: dict[tuple[StepSetup, int, int], Any] = {}
 
@@ -470,9 +504,23 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     elif accum_freq > 1 and largest is not None and largest >= batch_size:
         accum_needed = 1  # the whole per-device batch fits without accumulating
 
-    # FLOPs, counted on the step without accumulation at the per-device micro-batch.
+    # What XLA:GPU's program does besides: its collectives and whether cuDNN's fused attention runs.
+    step_program = None
+    if compiler == "gpu":
+        hlo = compiled_step(setup, batch_size, accum_needed or accum_freq).as_text()
+        collectives = xla_gpu.collectives(hlo)
+        step_program = {"collectives": {"count": collectives.count, "bytes": collectives.bytes},
+                        "fused_attention_calls": xla_gpu.fused_attention(hlo)}
+
+    # FLOPs, counted on the step without accumulation at the per-device micro-batch (by XLA:CPU, on one device
+    # when XLA:GPU compiled the rest: its cost analysis is empty).
     micro_batch = batch_size // (accum_needed or accum_freq)
-    flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))
+    if compiler == "gpu":
+        progress(f"counting FLOPs: XLA:CPU compiles of the step at per-device batch {micro_batch}")
+        cpu_setup = dataclasses.replace(setup, attention_impl=None)
+        flops = flops_per_sample(cpu_setup, create_mesh(jax.devices("cpu")[:1]), micro_batch)
+    else:
+        flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))
 
     # Speed, data loading, time and cost.
     mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
@@ -488,11 +536,13 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     return {
         "config": getattr(config, "name", "") or "", "model": setup.model.name, "gpu": gpu.name, "gpus": num_gpus,
         "setup": {"precision": setup.precision, "remat_policy": setup.remat_policy, "fsdp": setup.fsdp,
-                  "batch_size": batch_size, "accum_freq": accum_freq, "global_batch": global_batch},
+                  "attention": setup.attention_impl or "xla", "batch_size": batch_size, "accum_freq": accum_freq,
+                  "global_batch": global_batch},
         "parameters": _parameter_counts(setup),
         "flops_per_sample": dataclasses.asdict(flops) | {"counted_at_batch": micro_batch},
         "memory_per_device": {
-            "measured_by": f"XLA:CPU memory analysis of the train step compiled for {where}",
+            "compiler": compiler,
+            "measured_by": f"XLA:{compiler.upper()} memory analysis of the train step compiled for {where}",
             "batch_size": batch_size, "accum_freq": accum_freq, "argument_bytes": planned.argument,
             "output_bytes": planned.output, "alias_bytes": planned.alias, "temp_bytes": planned.temp,
             "total_bytes": planned.total, "state_bytes": state_bytes_per_device(setup, mesh),
@@ -505,6 +555,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         "throughput": {"mfu": mfu_value, "mfu_source": mfu_source,
                        "peak_tflops": gpu.peak_tflops(setup.precision), "samples_per_s_per_gpu": rate,
                        "samples_per_s": rate * num_gpus},
+        "step_program": step_program,
         "data_loading": {"samples_per_core_s": pipeline_rate, "cores_per_gpu": rate / pipeline_rate,
                          "workers_per_process": config.workers},
         "run": run,
@@ -533,8 +584,9 @@ def format_plan(p: dict) -> str:
     params = p["parameters"]
     lines = [
         f"plan: {p['model']} on {p['gpus']} x {p['gpu']}",
-        (f"  {s['precision']}, remat {s['remat_policy']}, fsdp {'on' if s['fsdp'] else 'off'}; per-device batch "
-         f"{s['batch_size']}, accum_freq {s['accum_freq']}, global batch {s['global_batch']:,}"),
+        (f"  {s['precision']}, remat {s['remat_policy']}, fsdp {'on' if s['fsdp'] else 'off'}, attention "
+         f"{s['attention']}; per-device batch {s['batch_size']}, accum_freq {s['accum_freq']}, global batch "
+         f"{s['global_batch']:,}"),
         "",
         (f"parameters          {params['total']:,} (image {params['image']:,}, text {params['text']:,}, "
          f"logit_scale {params['logit_scale']})"),
@@ -569,6 +621,15 @@ def format_plan(p: dict) -> str:
         lines.append("  gradient accumulation not needed: the whole per-device batch fits (accum_freq=1)")
     else:
         lines.append(f"  gradient accumulation {'not needed' if s['accum_freq'] == 1 else 'as configured'}")
+    program = p.get("step_program")
+    if program:
+        c = program["collectives"]
+        moved = [f"{kind} {c['count'][kind]} ({_size(c['bytes'][kind])})" for kind in c["count"] if c["count"][kind]]
+        attention = program["fused_attention_calls"]
+        lines += ["", "the compiled step (XLA:GPU), per device and step",
+                  f"  collectives: {', '.join(moved) or 'none'}",
+                  (f"  cuDNN fused attention: {attention['forward']} forward and {attention['backward']} backward "
+                   "call sites" if attention["forward"] else "  cuDNN fused attention: not used")]
     lines += [
         "",
         "throughput (modelled: MFU x peak / model FLOPs)",
@@ -598,10 +659,33 @@ def format_plan(p: dict) -> str:
         largest = "-" if row["largest_batch"] is None else str(row["largest_batch"])
         lines.append(f"  {row['gpu']:<11}{row['memory_gib']:>7.1f}{row['bf16_tflops']:>9g}{row['tf32_tflops']:>9g}"
                      f"{row['mfu']:>7.1%}{row['samples_per_s_per_gpu']:>11.1f}{largest:>11}{days:>8}")
-    lines += ["", ("measured here: parameters, FLOPs and memory, by compiling the step with XLA:CPU (XLA:GPU fuses "
-                   "and schedules differently, and cuDNN attention keeps no score matrix);"),
-              "modelled: speed, time and cost, from the MFU above"]
+    if m["compiler"] == "gpu":
+        lines += ["", ("measured here: parameters and FLOPs (XLA:CPU), memory and collectives (XLA:GPU, compiled for "
+                       "the GPU without one);")]
+    else:
+        lines += ["", ("measured here: parameters, FLOPs and memory, by compiling the step with XLA:CPU (XLA:GPU fuses "
+                       "and schedules differently, and cuDNN attention keeps no score matrix: install '.[gpu]' for "
+                       "its figures);")]
+    lines.append("modelled: speed, time and cost, from the MFU above")
     return "\n".join(lines)
+
+
+def usage_error(message: str) -> None:
+    """One line on stderr and exit status 2: the planner's answer to bad input."""
+    print(f"clip_jax.plan: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def choose_compiler(asked: str) -> str:
+    """"gpu" or "cpu" for --compiler=auto|gpu|cpu: auto takes XLA:GPU when jaxlib's CUDA plugin is installed."""
+    if asked == "auto":
+        return "gpu" if xla_gpu.cuda_plugin_installed() else "cpu"
+    if asked == "gpu" and not xla_gpu.cuda_plugin_installed():
+        raise xla_gpu.CudaPluginMissing(
+            f"--compiler=gpu needs jaxlib's CUDA plugin, which is not installed: {xla_gpu.INSTALL_HINT}")
+    if asked not in ("gpu", "cpu"):
+        raise ValueError(f"--compiler={asked}: choose auto, gpu or cpu")
+    return asked
 
 
 def main(argv) -> None:
@@ -609,20 +693,30 @@ def main(argv) -> None:
 
     FLAGS = flags.FLAGS
     if len(argv) > 1:
-        raise SystemExit(f"unexpected arguments {argv[1:]}")
+        usage_error(f"unexpected arguments {argv[1:]}")
     if FLAGS.gpu not in GPUS:
-        raise SystemExit(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
+        usage_error(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
     if not 1 <= FLAGS.gpus <= MAX_SIMULATED_DEVICES:
-        raise SystemExit(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", FLAGS.gpus)
+        usage_error(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
+    try:
+        compiler = choose_compiler(FLAGS.compiler)
+        if compiler == "gpu":
+            xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
+        elif FLAGS.topology is not None:
+            usage_error("--topology needs the XLA:GPU compiler (--compiler=gpu, with '.[gpu]' installed)")
+    except (ValueError, xla_gpu.CudaPluginMissing) as e:
+        usage_error(str(e))
+    jax.config.update("jax_platforms", "cpu")  # XLA:GPU's compile-only devices need no CUDA backend
+    jax.config.update("jax_num_cpu_devices", FLAGS.gpus if compiler == "cpu" else 1)
     say = lambda message: print(message, file=sys.stderr, flush=True)
+    say(f"memory from XLA:{compiler.upper()}" + (" (jaxlib's CUDA plugin is not installed)"
+                                                   if compiler == "cpu" and FLAGS.compiler == "auto" else ""))
     try:
         result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
-                      memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate,
-                      search_batch=FLAGS.search_batch, progress=say)
-    except ValueError as e:
-        raise SystemExit(f"clip_jax.plan: {e}") from None
+                      memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
+                      topology=FLAGS.topology, search_batch=FLAGS.search_batch, progress=say)
+    except (ValueError, xla_gpu.CudaPluginMissing) as e:
+        usage_error(str(e))
     print(json.dumps(result, indent=2) if FLAGS.json else format_plan(result))
 
 
@@ -633,10 +727,14 @@ def _define_flags() -> None:
     config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
     flags.DEFINE_string("gpu", "a100-40gb", f"GPU kind: {', '.join(GPUS)}")
     flags.DEFINE_integer("gpus", 1, "number of GPUs (one training process each)")
+    flags.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"],
+                      "who compiles the step: XLA:GPU without a GPU (needs '.[gpu]'), XLA:CPU, or auto (XLA:GPU "
+                      "when installed)")
+    flags.DEFINE_string("topology", None, "NODESxGPUS_PER_NODE for XLA:GPU, e.g. 96x4 (default: nodes of 8 GPUs)")
     flags.DEFINE_float("price", None, "price per GPU-hour, for the cost")
     flags.DEFINE_float("mfu", None, "model FLOPs utilisation to assume (default: measured, else the reference run's)")
     flags.DEFINE_float("memory_fraction", DEFAULT_MEMORY_FRACTION,
-                       "fraction of GPU memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION; JAX's default 0.75)")
+                       "fraction of GPU memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION, as launch/env.sh sets it)")
     flags.DEFINE_float("pipeline_rate", PIPELINE_SAMPLES_PER_CORE_S, "input pipeline samples per CPU core-second")
     flags.DEFINE_bool("search_batch", True, "find the largest per-device batch that fits (a few compiles)")
     flags.DEFINE_bool("json", False, "print the plan as JSON")
@@ -646,5 +744,6 @@ def _define_flags() -> None:
 if __name__ == "__main__":
     from absl import app
 
+    xla_gpu.prepare()  # before JAX loads its plugins
     _define_flags()
     app.run(main)

@@ -14,7 +14,7 @@ import torch
 from clip_jax.models import count_params, create_model, get_model_config, init_params, list_models
 from open_clip_reference import TINY, random_inputs
 
-NAMED = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-H-14", "ViT-g-14"]
+NAMED = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-L-14-336", "ViT-H-14", "ViT-g-14"]
 
 
 def _param_count(model) -> int:
@@ -117,8 +117,8 @@ def test_layer_params_hook_maps_each_layers_weights_at_apply_time_only():
     params = init_params(plain, jax.random.key(0))
     seen = []
 
-    def double(variables):  # one layer's weights, without the layer axis
-        seen.append(variables["params"]["attn"]["in_proj"]["kernel"].shape)
+    def double(variables, layers):  # one layer's weights, without the layer axis, and the stack's depth
+        seen.append((variables["params"]["attn"]["in_proj"]["kernel"].shape, layers))
         return jax.tree.map(lambda w: 2 * w, variables)
 
     hooked = plain.clone(layer_params_hook=double)
@@ -130,7 +130,7 @@ def test_layer_params_hook_maps_each_layers_weights_at_apply_time_only():
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, e)
     assert not np.allclose(got[0], plain.apply({"params": params}, images, tokens)[0])
-    assert set(seen) == {(96, 3 * 96), (64, 3 * 64)}  # image and text blocks
+    assert set(seen) == {((96, 3 * 96), TINY["vision_cfg"]["layers"]), ((64, 3 * 64), TINY["text_cfg"]["layers"])}
     # Initialisation ignores the hook: the same tree and values.
     jax.tree.map(np.testing.assert_array_equal, init_params(hooked, jax.random.key(0)), params)
 

@@ -76,6 +76,11 @@ _OPEN_CLIP_CONFIGS = {
         "vision_cfg": {"image_size": 224, "layers": 24, "width": 1024, "patch_size": 14},
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
     },
+    "ViT-L-14-336": {
+        "embed_dim": 768,
+        "vision_cfg": {"image_size": 336, "layers": 24, "width": 1024, "patch_size": 14},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
+    },
     "ViT-H-14": {
         "embed_dim": 1024,
         "vision_cfg": {"image_size": 224, "layers": 32, "width": 1280, "head_width": 80, "patch_size": 14},

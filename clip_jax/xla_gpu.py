@@ -1,0 +1,213 @@
+"""XLA:GPU without a GPU: compile for a cluster of GPUs on any machine, and read the compiled step.
+
+jaxlib's CUDA plugin (`pip install -e '.[gpu]'`) compiles for GPUs it is only told about: a target config (the
+device properties of `clip_jax.hardware.GpuTarget`) and a topology (nodes x GPUs per node) give compile-only
+devices to build a mesh over; `jit(...).lower(abstract inputs)` then compiles as on the cluster. What such a
+compile says is XLA:GPU's own: memory per device (its memory analysis; cuDNN's attention keeps no score matrix),
+the collectives it emits, the kernels it calls. It cannot time anything, and its cost analysis is empty.
+
+Two settings make it work on a machine without a driver: the plugin's start-up check of the CUDA installation must
+be skipped (`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, read once when JAX loads its plugins: `prepare` sets it), and
+the compiler must not autotune or pick Triton GEMMs, which need a device (`COMPILER_OPTIONS`, given to every
+compile by `compile_lowered`).
+"""
+
+import dataclasses
+import importlib.util
+import os
+import re
+
+from clip_jax.hardware import GPU
+
+SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+INSTALL_HINT = "pip install -e '.[gpu]' (jaxlib's CUDA plugin and NVIDIA's libraries, about 4.4 GB of wheels)"
+GPUS_PER_NODE = 8  # the default topology's node size, when it divides the GPU count
+
+
+class CudaPluginMissing(RuntimeError):
+    """XLA:GPU was asked for and jaxlib's CUDA plugin is not installed or not loaded."""
+
+
+def cuda_plugin_installed() -> bool:
+    return any(_module_exists(name) for name in PLUGINS)
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def prepare() -> None:
+    """Let the CUDA plugin load without a GPU. Call before JAX first initialises its backends."""
+    os.environ.setdefault(SKIP_CHECK_ENV, "1")
+
+
+def parse_topology(text: str | None, num_gpus: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) from "NODESxGPUS" (e.g. "96x4"); by default nodes of 8 GPUs, or one node when 8 does
+    not divide the count. Raises ValueError when the topology is malformed or does not hold `num_gpus` GPUs."""
+    if text is None:
+        per_node = GPUS_PER_NODE if num_gpus % GPUS_PER_NODE == 0 else num_gpus
+        return num_gpus // per_node, per_node
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise ValueError(f"topology {text!r}: write it as NODESxGPUS_PER_NODE, e.g. 96x4")
+    nodes, per_node = int(match[1]), int(match[2])
+    if nodes * per_node != num_gpus:
+        raise ValueError(f"topology {text} holds {nodes * per_node} GPUs, not the {num_gpus} of --gpus: "
+                         f"give --gpus {nodes * per_node}, or a topology whose nodes x GPUs per node is {num_gpus}")
+    return nodes, per_node
+
+
+def devices(gpu: GPU, nodes: int, gpus_per_node: int) -> list:
+    """Compile-only devices for `nodes` x `gpus_per_node` GPUs of kind `gpu`, one per process's GPU."""
+    target_config = gpu.target_config()  # a clear error for a GPU without one
+    if not cuda_plugin_installed():
+        raise CudaPluginMissing(f"XLA:GPU needs jaxlib's CUDA plugin, which is not installed: {INSTALL_HINT}")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                                topology=f"1x{nodes}x{gpus_per_node}")
+    except NotImplementedError:
+        raise CudaPluginMissing(
+            f"jaxlib's CUDA plugin is installed but did not load (no GPU here?): set {SKIP_CHECK_ENV}=1 before "
+            "JAX starts (python -m clip_jax.plan does)") from None
+    return list(topology.devices)
+
+
+def compile_lowered(lowered):
+    """`lowered.compile()` with the options a deviceless compile needs."""
+    return lowered.compile(compiler_options=COMPILER_OPTIONS)
+
+
+# -- reading the compiled step ---------------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8\w*)\[([\d,]*)\]")
+_CALLED = re.compile(r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """Per device and per step: how many of each collective run, and the bytes each moves (summed), counting
+    every trip of the loops they are in. Bytes are those of the whole buffer taking part: an all-gather's output,
+    a reduce-scatter's input, an all-reduce's operand."""
+
+    count: dict[str, int]
+    bytes: dict[str, int]
+
+    def describe(self) -> str:
+        parts = [f"{kind} {self.count[kind]} ({self.bytes[kind] / 2**30:.2f} GiB)" for kind in COLLECTIVES
+                 if self.count.get(kind)]
+        return ", ".join(parts) or "none"
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * _BYTES.get(dtype, 1)
+    return total
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape "(A, (B, C))" -> ["A", "(B, C)"]; a non-tuple shape is itself."""
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(shape):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        if (char == "," and depth == 1) or depth == 0:
+            elements.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return elements
+
+
+def _collective_bytes(kind: str, result: str, line: str, started: bool) -> int:
+    """The bytes of the whole buffer taking part in one collective (see `Collectives`). An all-gather-start or
+    reduce-scatter-start returns (operands, results); an all-reduce-start, like the synchronous ones, its results."""
+    parts = _tuple_elements(result)
+    paired = started and kind != "all-reduce" and len(parts) == 2
+    if kind == "reduce-scatter":
+        return _shape_bytes(parts[0]) if paired else _shape_bytes(result) * _group_size(line)
+    return _shape_bytes(parts[1] if paired else result)
+
+
+def _group_size(line: str) -> int:
+    iota = _GROUPS_IOTA.search(line)
+    if iota:
+        return int(iota[2])
+    listed = _GROUPS_LIST.search(line)
+    return len(listed[1].split(",")) if listed else 1
+
+
+def collectives(hlo_text: str) -> Collectives:
+    """The collectives of a compiled program (its `as_text()`), loop trips counted."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header[1]
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            computations[current].append(line)
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for line in computations.get(name, []):
+            trips = _TRIP_COUNT.search(line)
+            called = _CALLED.findall(line)
+            branches = _BRANCHES.search(line)
+            if branches:
+                called += [b.strip().lstrip("%") for b in branches[1].split(",")]
+            for callee in called:
+                if callee in computations:
+                    visit(callee, times * (int(trips[1]) if trips and f"body={callee}" in line.replace("%", "")
+                                           else 1))
+
+    if entry is not None:
+        visit(entry, 1)
+    count = dict.fromkeys(COLLECTIVES, 0)
+    moved = dict.fromkeys(COLLECTIVES, 0)
+    for name, times in runs.items():
+        for line in computations[name]:
+            instruction = _INSTRUCTION.match(line)
+            if not instruction:
+                continue
+            result, opcode = instruction[1], instruction[2]
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVES or opcode.endswith("-done"):
+                continue
+            size = _collective_bytes(kind, result, line, opcode.endswith("-start"))
+            count[kind] += times
+            moved[kind] += times * size
+    return Collectives(count, moved)
+
+
+def fused_attention(hlo_text: str) -> dict[str, int]:
+    """Call sites of cuDNN's fused attention in a compiled program: {"forward": n, "backward": n}."""
+    targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', hlo_text)
+    return {"forward": sum("Backward" not in t for t in targets), "backward": sum("Backward" in t for t in targets)}

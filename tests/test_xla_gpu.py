@@ -1,0 +1,206 @@
+"""XLA:GPU without a GPU: the planner's GPU path compiles the very step a direct deviceless compile does, cuDNN's
+fused attention compiles for every registered model, FSDP's gradients are reduce-scattered, the collectives are
+counted per step, and bad input gets one line and exit status 2. jaxlib's CUDA plugin is part of the test set-up
+(`.[gpu]`); these tests fail, not skip, without it."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from clip_jax import plan as planner
+from clip_jax import xla_gpu
+from clip_jax.config import default_config
+from clip_jax.hardware import GPUS, get_gpu
+from clip_jax.models import create_model, get_model_config, init_params, list_models
+from clip_jax.optim import create_optimizer
+from clip_jax.parallel import create_mesh, state_shardings
+from clip_jax.train_step import init_train_state, make_train_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 64, "heads": 4, "layers": 3},
+}
+
+
+def gpu_devices(gpu: str, nodes: int, per_node: int):
+    return xla_gpu.devices(get_gpu(gpu), nodes, per_node)
+
+
+def test_the_cuda_plugin_is_installed_and_loads_without_a_gpu():
+    assert xla_gpu.cuda_plugin_installed()
+    devices = gpu_devices("h100", 2, 4)
+    assert len(devices) == 8 and {d.platform for d in devices} == {"gpu"}
+    assert "H100" in devices[0].device_kind
+
+
+@pytest.mark.parametrize("gpu", [name for name, gpu in GPUS.items() if gpu.target])
+def test_every_target_config_compiles_a_matmul_for_its_gpu(gpu):
+    devices = gpu_devices(gpu, 1, 2)
+    sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=sharding)
+    compiled = xla_gpu.compile_lowered(jax.jit(lambda x: (x @ x.T).sum()).lower(x))
+    assert compiled.memory_analysis().argument_size_in_bytes == 64 * 256 * 2 // 2
+    assert xla_gpu.collectives(compiled.as_text()).count["all-reduce"] >= 1
+
+
+def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_path):
+    """The planner's XLA:GPU figure equals the memory analysis of the step built by hand, compiled by JAX's own
+    deviceless API over the same target config and topology."""
+    model_file = tmp_path / "tiny.json"
+    model_file.write_text(__import__("json").dumps(TINY))
+    config = default_config()
+    config.update(model=str(model_file), batch_size=4, precision="bf16", grad_checkpointing=True, fsdp=True,
+                  train_num_samples=1000, epochs=1, workers=1)
+    result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False)
+    memory = result["memory_per_device"]
+    assert memory["compiler"] == "gpu" and "XLA:GPU" in memory["measured_by"]
+    assert result["setup"]["attention"] == "cudnn"  # auto, on a GPU, in bf16
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=GPUS["a100-40gb"].target_config(),
+                                            topology="1x2x4")
+    mesh = create_mesh(topology.devices)
+    model = create_model(str(model_file), dtype=jnp.bfloat16, remat_policy="nothing_saveable",
+                         attention_impl="cudnn")
+    optimizer = create_optimizer(optax.constant_schedule(1e-3))
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    shardings = state_shardings(shapes, mesh, fsdp=True)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    batch_sharding = NamedSharding(mesh, P("data"))
+    batch = {"images": jax.ShapeDtypeStruct((32, 32, 32, 3), jnp.float32, sharding=batch_sharding),
+             "tokens": jax.ShapeDtypeStruct((32, 16), jnp.int32, sharding=batch_sharding)}
+    step = make_train_step(model, optimizer, optax.constant_schedule(1e-3), mesh, shardings)
+    direct = step.lower(state, batch).compile(
+        compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}).memory_analysis()
+    assert memory["argument_bytes"] == direct.argument_size_in_bytes
+    assert memory["temp_bytes"] == direct.temp_size_in_bytes
+    assert memory["total_bytes"] == (direct.argument_size_in_bytes + direct.output_size_in_bytes
+                                     - direct.alias_size_in_bytes + direct.temp_size_in_bytes)
+    program = result["step_program"]
+    assert program["fused_attention_calls"]["forward"] >= 2 and program["fused_attention_calls"]["backward"] >= 2
+    assert program["collectives"]["count"]["reduce-scatter"] >= 1
+
+
+def fused_attention_shapes(hlo: str) -> dict[str, set[int]]:
+    """The dimensions of cuDNN's attention outputs ([B, N, T, H] or [B, T, N, H]), forward and backward calls."""
+    dims = {"forward": set(), "backward": set()}
+    for line in hlo.splitlines():
+        target = re.search(r'custom_call_target="__cudnn\$fmha(\w*)"', line)
+        if target:
+            shape = re.search(r"bf16\[(\d+),(\d+),(\d+),(\d+)\]", line)
+            dims["backward" if "Backward" in target[1] else "forward"].update(int(d) for d in shape.groups())
+    return dims
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forward_and_backward(name):
+    config = get_model_config(name)
+    model = create_model(name, dtype=jnp.bfloat16, attention_impl="cudnn")
+    mesh = create_mesh(gpu_devices("h100", 1, 1))
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                          jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0)))
+    size = config.vision.image_size
+    images = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32, sharding=replicated)
+    tokens = jax.ShapeDtypeStruct((2, config.text.context_length), jnp.int32, sharding=replicated)
+
+    def loss(params, images, tokens):
+        image_features, text_features, scale = model.apply({"params": params}, images, tokens)
+        return jnp.sum(scale * image_features @ text_features.T)
+
+    hlo = xla_gpu.compile_lowered(jax.jit(jax.grad(loss)).lower(params, images, tokens)).as_text()
+    padded = lambda t: -(-t // 8) * 8  # noqa: E731
+    towers = {padded(config.vision.num_tokens), padded(config.text.context_length)}
+    shapes = fused_attention_shapes(hlo)
+    assert towers <= shapes["forward"], (towers, shapes)
+    assert towers <= shapes["backward"], (towers, shapes)
+
+
+def param_bytes(setup, dtype_bytes: int) -> int:
+    shapes = jax.eval_shape(lambda rng: init_params(planner._model(setup), rng), jax.random.key(0))
+    return dtype_bytes * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def test_fsdp_gradients_are_reduce_scattered_and_a_replicas_all_reduced():
+    """On 8 GPUs, bf16: FSDP sends each weight's gradient through a reduce-scatter (about the bf16 size of the
+    model per step) and all-reduces next to nothing; a replica all-reduces the whole gradient."""
+    mesh = create_mesh(gpu_devices("a100-40gb", 1, 8))
+    fsdp = planner.StepSetup(get_model_config("ViT-B-32"), "bf16", "nothing_saveable", fsdp=True,
+                             attention_impl="cudnn")
+    weights = param_bytes(fsdp, 2)
+    sharded = xla_gpu.collectives(planner.compile_train_step(fsdp, mesh, 4).as_text())
+    assert 0.8 * weights <= sharded.bytes["reduce-scatter"] <= 1.05 * weights
+    assert sharded.bytes["all-reduce"] < 0.02 * weights
+    # Every split weight is gathered twice (forward, and again where remat recomputes the forward).
+    assert 1.6 * weights <= sharded.bytes["all-gather"] <= 2.1 * weights
+
+    replica = planner.StepSetup(fsdp.model, "bf16", "nothing_saveable", attention_impl="cudnn")
+    plain = xla_gpu.collectives(planner.compile_train_step(replica, mesh, 4).as_text())
+    assert 0.98 * weights <= plain.bytes["all-reduce"] <= 1.05 * weights
+    assert plain.bytes["reduce-scatter"] < 0.01 * weights  # the loss's feature gradients only
+
+
+def test_collectives_in_a_loop_count_every_trip():
+    mesh = create_mesh(gpu_devices("h200", 1, 4))
+    x = jax.ShapeDtypeStruct((5, 64, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
+
+    def body(carry, layer):  # [64, 128] split over the devices, gathered whole: an all-gather per trip
+        whole = jax.lax.with_sharding_constraint(layer, NamedSharding(mesh, P()))
+        return carry + jnp.sum(jnp.sin(whole) @ jnp.cos(whole).T), None
+
+    hlo = xla_gpu.compile_lowered(jax.jit(lambda x: jax.lax.scan(body, 0.0, x)[0]).lower(x)).as_text()
+    counted = xla_gpu.collectives(hlo)
+    assert counted.count["all-gather"] == 5
+    assert counted.bytes["all-gather"] == 5 * 64 * 128 * 4
+
+
+def test_topology_parsing_and_its_errors():
+    assert xla_gpu.parse_topology("96x4", 384) == (96, 4)
+    assert xla_gpu.parse_topology(None, 384) == (48, 8)
+    assert xla_gpu.parse_topology(None, 6) == (1, 6)
+    with pytest.raises(ValueError, match="holds 32 GPUs, not the 384"):
+        xla_gpu.parse_topology("8x4", 384)
+    with pytest.raises(ValueError, match="NODESxGPUS_PER_NODE"):
+        xla_gpu.parse_topology("96*4", 384)
+
+
+def run_planner(*args, hide_cuda_plugin: bool = False) -> subprocess.CompletedProcess:
+    hide = ("import sys\n"
+            "class Hide:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.startswith('jax_plugins.xla_cuda'): raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, Hide())\n") if hide_cuda_plugin else ""
+    code = hide + ("import runpy, sys\nsys.argv = ['clip_jax.plan', *sys.argv[1:]]\n"
+                   "runpy.run_module('clip_jax.plan', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code, "--config", os.path.join(REPO, "configs/l14_laion2b.py"),
+                           *args], capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("args, hide, message", [
+    (["--gpu", "v100", "--gpus", "8"], False, "unknown GPU 'v100'; known: a100-40gb"),
+    (["--gpu", "h100", "--gpus", "384", "--topology", "96x8"], False, "topology 96x8 holds 768 GPUs, not the 384"),
+    (["--gpu", "h100", "--gpus", "8", "--compiler", "gpu"], True, "--compiler=gpu needs jaxlib's CUDA plugin"),
+])
+def test_bad_planner_input_gets_one_line_and_exit_status_2(args, hide, message):
+    done = run_planner(*args, hide_cuda_plugin=hide)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
+
+
+def test_the_planner_plans_with_the_memory_fraction_the_launcher_sets():
+    env_sh = open(os.path.join(REPO, "launch/env.sh")).read()
+    fraction = re.search(r'XLA_PYTHON_CLIENT_MEM_FRACTION="\$\{XLA_PYTHON_CLIENT_MEM_FRACTION:-([\d.]+)\}"', env_sh)
+    assert float(fraction[1]) == planner.DEFAULT_MEMORY_FRACTION
