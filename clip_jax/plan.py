@@ -38,7 +38,7 @@ from clip_jax import train_step, xla_gpu
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params
 from clip_jax.models.flops import forward_flops, train_flops
-from clip_jax.models.layers import Transformer
+from clip_jax.models.layers import Transformer, choose_attention_impl
 from clip_jax.optim import create_optimizer
 from clip_jax.parallel import DATA_AXIS, batch_sharding, create_mesh
 from clip_jax.precision import get_policy
@@ -97,13 +97,12 @@ class StepSetup:
 
 
 def planned_attention(attention_impl: str, precision: str, compiler: str) -> str | None:
-    """The attention kernel the planned step compiles with: what the config asks for ("auto": cuDNN's fused
-    attention on a GPU in bf16, the fastest measured; XLA's otherwise), and XLA's wherever XLA:CPU compiles."""
+    """The attention kernel the planned step compiles with: the trainer's choice on a GPU
+    (`choose_attention_impl`), and XLA's wherever XLA:CPU compiles (it has no cuDNN)."""
     if compiler == "cpu":
         return None
-    if attention_impl == "auto":
-        return "cudnn" if precision != "fp32" else None
-    return None if attention_impl == "xla" else attention_impl
+    chosen = choose_attention_impl(attention_impl, "gpu", get_policy(precision).compute_dtype)
+    return None if chosen == "xla" else chosen
 
 
 def _model(setup: StepSetup):

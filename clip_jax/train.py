@@ -32,6 +32,7 @@ from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
 from clip_jax.models import create_model, init_params
 from clip_jax.models.flops import train_flops
+from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import get_policy
@@ -147,7 +148,8 @@ def build_engine(config, precision: str, mesh, schedule: Schedule) -> Engine:
     policy = get_policy(precision)
     model = create_model(config.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                          remat_policy=config.remat_policy if config.grad_checkpointing else "none",
-                         attention_impl=None if config.attention_impl == "auto" else config.attention_impl)
+                         attention_impl=choose_attention_impl(config.attention_impl, mesh.devices.flat[0].platform,
+                                                              policy.compute_dtype))
     lr_fn = warmup_cosine_schedule(config.lr, config.warmup, schedule.total_steps)
     optimizer = create_optimizer(lr_fn, weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                  grad_clip_norm=config.grad_clip_norm or None)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clip_jax.models.layers import CUDNN_SEQ_MULTIPLE, attention
+from clip_jax.models.layers import CUDNN_SEQ_MULTIPLE, attention, choose_attention_impl
 
 
 def _qkv(length: int, seed: int = 0):
@@ -47,3 +47,13 @@ def test_only_cudnn_pads_by_default():
     q, k, v = _qkv(5)
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, False, "xla"))(q, k, v))
     assert "pad" not in jaxpr
+
+
+def test_auto_attention_is_cudnn_on_a_gpu_in_16_bits_and_xla_elsewhere():
+    assert choose_attention_impl("auto", "gpu", jnp.bfloat16) == "cudnn"
+    assert choose_attention_impl("auto", "gpu", jnp.float16) == "cudnn"
+    assert choose_attention_impl("auto", "gpu", jnp.float32) == "xla"  # cuDNN's kernel takes no float32
+    assert choose_attention_impl("auto", "cpu", jnp.bfloat16) == "xla"
+    assert choose_attention_impl("cudnn", "cpu", jnp.float32) == "cudnn"  # what is asked for explicitly, as is
+    with pytest.raises(ValueError, match="choose auto, xla or cudnn"):
+        choose_attention_impl("flash", "gpu", jnp.bfloat16)
