@@ -200,6 +200,26 @@ def test_bad_planner_input_gets_one_line_and_exit_status_2(args, hide, message):
     assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
 
 
+def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_path):
+    model_file = tmp_path / "tiny.json"
+    model_file.write_text(__import__("json").dumps(TINY))
+    config_file = tmp_path / "tiny_run.py"
+    config_file.write_text("from clip_jax.config import default_config\n"
+                           "def get_config():\n"
+                           "    c = default_config()\n"
+                           f"    c.update(model={str(model_file)!r}, batch_size=2, train_num_samples=1000, epochs=1,\n"
+                           "             workers=1)\n"
+                           "    return c\n")
+    done = subprocess.run([sys.executable, "-m", "clip_jax.plan", f"--config={config_file}", "--gpu=h200",
+                           "--gpus=16", "--topology=4x4", "--nosearch_batch"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("XLA:GPU memory analysis of the train step compiled for 16 x h200 (4 nodes x 4, deviceless XLA:GPU)"
+            in done.stdout)
+    assert "cuDNN fused attention: " in done.stdout and "collectives: " in done.stdout
+    assert "31.7%" in done.stdout  # the H200's measured MFU, not the reference run's
+
+
 def test_the_planner_plans_with_the_memory_fraction_the_launcher_sets():
     env_sh = open(os.path.join(REPO, "launch/env.sh")).read()
     fraction = re.search(r'XLA_PYTHON_CLIENT_MEM_FRACTION="\$\{XLA_PYTHON_CLIENT_MEM_FRACTION:-([\d.]+)\}"', env_sh)
