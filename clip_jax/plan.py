@@ -36,11 +36,11 @@ import optax
 
 from clip_jax import train_step, xla_gpu
 from clip_jax.hardware import GPU, GPUS, get_gpu
-from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params
+from clip_jax.models import CLIPConfig, create_model, get_model_config, param_shapes
 from clip_jax.models.flops import forward_flops, train_flops
 from clip_jax.models.layers import Transformer, choose_attention_impl
 from clip_jax.optim import create_optimizer
-from clip_jax.parallel import DATA_AXIS, batch_sharding, create_mesh
+from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size
 from clip_jax.precision import get_policy
 from clip_jax.train_step import is_fsdp, make_forward, make_train_step
 
@@ -123,7 +123,7 @@ def abstract_train_state(setup: StepSetup, mesh) -> Any:
 
 def abstract_batch(config: CLIPConfig, per_device_batch: int, mesh) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch as the data pipeline delivers it, split over the mesh."""
-    size, global_batch = config.vision.image_size, per_device_batch * mesh.shape[DATA_AXIS]
+    size, global_batch = config.vision.image_size, per_device_batch * data_parallel_size(mesh)
     sharding = batch_sharding(mesh)
     return {"images": jax.ShapeDtypeStruct((global_batch, size, size, 3), jnp.float32, sharding=sharding),
             "tokens": jax.ShapeDtypeStruct((global_batch, config.text.context_length), jnp.int32,
@@ -176,8 +176,7 @@ def state_bytes_per_device(setup: StepSetup, mesh) -> int:
     """Params + optimizer state + step counter held by one device, from the tree and its shardings."""
     total = 0
     for leaf in jax.tree.leaves(abstract_train_state(setup, mesh)):
-        split = math.prod(mesh.shape[axis] for axis in leaf.sharding.spec if axis is not None)
-        total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
 
 
@@ -342,7 +341,7 @@ def samples_per_s_per_gpu(mfu: float, gpu: GPU, precision: str, model_train_flop
 
 
 def _parameter_counts(setup: StepSetup) -> dict[str, int]:
-    shapes = jax.eval_shape(lambda rng: init_params(_model(setup), rng), jax.random.key(0))
+    shapes = param_shapes(_model(setup))
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
     image = count(shapes["visual"])
     logit_scale = count(shapes["logit_scale"])
@@ -464,7 +463,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
         raise ValueError(f"batch_size={batch_size} (per device) must be a positive multiple of "
                          f"accum_freq={accum_freq}")
-    mesh = create_mesh(devices)
+    mesh = create_mesh(devices, fsdp_params=param_shapes(_model(setup)) if setup.fsdp else None)
     budget = int(gpu.memory_bytes * memory_fraction)
 
     compiled_steps: dict[tuple[StepSetup, int, int], Any] = {}

@@ -30,7 +30,7 @@ from clip_jax.config import check_config
 from clip_jax.distributed import DistributedInitError, initialize_from_environment
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
-from clip_jax.models import create_model, init_params
+from clip_jax.models import create_model, init_params, param_shapes
 from clip_jax.models.flops import train_flops
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
@@ -207,7 +207,8 @@ class Trainer:
         self.config = config
         self.is_main = jax.process_index() == 0
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
-        self.mesh = create_mesh()
+        # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
+        self.mesh = create_mesh(fsdp_params=param_shapes(create_model(config.model)) if config.fsdp else None)
         self.schedule = make_schedule(config, jax.device_count())
         self.run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
         resume_dir, resume_step = (None, None)

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from clip_jax.loss import contrastive_loss_and_accuracy
 from clip_jax.models import init_params
 from clip_jax.optim import clamp_logit_scale
-from clip_jax.parallel import (DATA_AXIS, LAYER_STACK_KEY, batch_sharding, fsdp_spec, path_names, replicated,
-                               state_shardings)
+from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
+                               is_split, path_names, replicated, state_shardings)
 
 
 class TrainState(NamedTuple):
@@ -116,17 +116,16 @@ def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
 
 
 def gather_whole(tree, mesh: Mesh, layers: int | None = None):
-    """Every leaf of `tree` whole on every device: an all-gather where FSDP splits it (`fsdp_spec`; for one layer's
-    leaves inside the scan, `layers` says how many the stack holds: their spec is the stack's without the layer
-    axis). Its gradient goes back to the split layout directly, a reduce-scatter."""
-    axis_size = mesh.shape[DATA_AXIS]
+    """Every leaf of `tree` whole on every device: an all-gather where FSDP splits it (`fsdp_leaf_spec`; for one
+    layer's leaves inside the scan, `layers` says how many the stack holds: their spec is the stack's without the
+    layer axis). Its gradient goes back to the split layout directly, a reduce-scatter."""
 
     def gather(leaf):
         if layers is None:
-            spec = fsdp_spec(leaf.shape, axis_size)
+            spec = fsdp_leaf_spec(mesh, leaf.shape)
         else:
-            spec = P(*fsdp_spec((layers, *leaf.shape), axis_size, stacked=True)[1:])
-        return _gathered(leaf, NamedSharding(mesh, spec)) if DATA_AXIS in spec else leaf
+            spec = P(*fsdp_leaf_spec(mesh, (layers, *leaf.shape), stacked=True)[1:])
+        return _gathered(leaf, NamedSharding(mesh, spec)) if is_split(spec) else leaf
 
     return jax.tree.map(gather, tree)
 
@@ -193,8 +192,8 @@ def accumulated_grads(
 
     Equal to `full_batch_grads` up to rounding; holds the activations of one micro-batch at a time.
     """
-    n_shards = mesh.shape[DATA_AXIS]
-    micro_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [k, B / k, ...]
+    n_shards = data_parallel_size(mesh)
+    micro_sharding = NamedSharding(mesh, P(None, batch_axes(mesh)))  # [k, B / k, ...]
 
     def split(x):
         return jax.lax.with_sharding_constraint(split_micro_batches(x, accum_steps, n_shards), micro_sharding)
@@ -247,7 +246,7 @@ def make_train_step(
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-    n_shards = mesh.shape[DATA_AXIS]
+    n_shards = data_parallel_size(mesh)
     forward = make_forward(model, mesh, fsdp=is_fsdp(shardings.params))
 
     def loss_fn(image_features, text_features, logit_scale):

@@ -10,9 +10,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from clip_jax import plan
-from clip_jax.models import create_model, init_params
+from clip_jax.models import create_model, init_params, param_shapes
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import batch_sharding, create_mesh, fsdp_spec, make_global_batch
+from clip_jax.parallel import (batch_sharding, create_mesh, fsdp_data_size, fsdp_leaf_spec, fsdp_spec,
+                               make_global_batch)
 from clip_jax.train_step import (
     TrainState,
     create_train_state,
@@ -185,6 +186,42 @@ def test_fsdp_spec_splits_the_largest_divisible_dim_and_keeps_layers_and_small_l
     assert fsdp_spec((257, 1023), 8, min_size=1) == P()  # nothing divides
     assert fsdp_spec((8, 8), 8) == P()  # too small to be worth splitting
     assert fsdp_spec((1024, 4096), 1) == P()
+
+
+def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows():
+    vit_l_14 = param_shapes(create_model("ViT-L-14"))
+    assert fsdp_data_size(vit_l_14, 384) == 128  # 1024 and 4096 divide by 128, not by 384 (= 3 x 128)
+    assert fsdp_data_size(vit_l_14, 256) == 256  # a power of two: every leaf splits, the mesh stays 1-D
+    devices = jax.devices()[:6]
+    mesh = create_mesh(devices, fsdp_params=param_shapes(create_model(TINY)))  # widths 32 and 64: 2 of 6
+    assert dict(mesh.shape) == {"replica": 3, "data": 2}
+    assert list(mesh.devices.flat) == devices  # the same order: the batch lands where a 1-D mesh puts it
+    assert dict(create_mesh(devices).shape) == {"data": 6}  # without FSDP, no grid
+    # On the grid: split over every device where a dimension allows (192 = 6 x 32), else over "data".
+    assert fsdp_leaf_spec(mesh, (128, 192)) == P(None, ("replica", "data"))
+    assert fsdp_leaf_spec(mesh, (64, 256)) == P(None, "data")
+    assert fsdp_leaf_spec(mesh, (2, 64, 256), stacked=True) == P(None, None, "data")
+
+
+def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
+    """6 devices, weights of width 32 and 64: most leaves split 2 ways over a 3 x 2 grid. One SGD step equals the
+    replicated step on the same devices, leaf by leaf; the state is split as the grid says."""
+    batch, devices = random_batch(24), jax.devices()[:6]
+    tx = optax.sgd(SGD_LR)
+
+    def step_on(mesh, fsdp):  # (the c_fc kernel's spec and shard shape, params after one step, metrics)
+        state, shardings = create_train_state(model, tx, mesh, params=params, fsdp=fsdp)
+        kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [2, 64, 256]
+        layout = kernel.sharding.spec, kernel.addressable_shards[0].data.shape
+        state, metrics = make_train_step(model, tx, lambda s: SGD_LR, mesh, shardings)(
+            state, make_global_batch(batch, mesh))
+        return layout, jax.tree.map(np.asarray, state.params), metrics
+
+    layout, after, metrics = step_on(create_mesh(devices, fsdp_params=param_shapes(model)), fsdp=True)
+    assert layout == (P(None, None, "data"), (2, 64, 128))
+    _, expected, expected_metrics = step_on(create_mesh(devices), fsdp=False)
+    assert_same_update(params, after, expected)
+    assert float(metrics["loss"]) == pytest.approx(float(expected_metrics["loss"]), rel=1e-6)
 
 
 def test_create_train_state_needs_exactly_one_source(model):

@@ -105,5 +105,10 @@ def init_params(model: CLIP, rng: jax.Array) -> dict:
     return jax.jit(model.init)(rng, *dummy_inputs(model.config))["params"]
 
 
+def param_shapes(model: CLIP) -> dict:
+    """The parameter tree as `jax.ShapeDtypeStruct`s: nothing is computed or allocated."""
+    return jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0))
+
+
 def count_params(params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
