@@ -14,6 +14,7 @@ compile by `compile_lowered`).
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 
@@ -95,6 +96,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")  # mesh['a'=8,'b'=1] {'a'}
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8}
 
@@ -156,6 +158,10 @@ def _group_size(line: str) -> int:
     iota = _GROUPS_IOTA.search(line)
     if iota:
         return int(iota[2])
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", mesh[2]))
     listed = _GROUPS_LIST.search(line)
     return len(listed[1].split(",")) if listed else 1
 

@@ -186,6 +186,23 @@ def test_collectives_in_a_loop_count_every_trip():
     assert counted.bytes["all-gather"] == 5 * 64 * 128 * 4
 
 
+def test_synchronous_collectives_count_the_whole_buffer_of_every_group_form():
+    hlo = """HloModule m
+
+ENTRY %main (p: f32[64]) -> (f32[8], f32[8], f32[16], f32[64]) {
+  %p = f32[64]{0} parameter(0)
+  %a = f32[8]{0} reduce-scatter(%p), replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}
+  %b = f32[8]{0} reduce-scatter(%p), replica_groups=[1,8]<=[8], dimensions={0}
+  %c = f32[16]{0} reduce-scatter(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  ROOT %d = f32[64]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+    counted = xla_gpu.collectives(hlo)
+    assert counted.count["reduce-scatter"] == 3 and counted.count["all-reduce"] == 1
+    assert counted.bytes["reduce-scatter"] == 3 * 64 * 4  # each scatters the whole 64-float input
+    assert counted.bytes["all-reduce"] == 64 * 4
+
+
 def test_topology_parsing_and_its_errors():
     assert xla_gpu.parse_topology("96x4", 384) == (96, 4)
     assert xla_gpu.parse_topology(None, 384) == (48, 8)
