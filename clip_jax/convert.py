@@ -83,10 +83,9 @@ def _params_shapes(config: CLIPConfig) -> dict[tuple[str, ...], tuple[int, ...]]
     """clip_jax parameter shapes by path, traced abstractly (nothing is allocated)."""
     import jax
 
-    from clip_jax.models.clip import create_model, init_params
+    from clip_jax.models.clip import create_model, param_shapes
 
-    model = create_model(config)
-    tree = jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0))
+    tree = param_shapes(create_model(config))
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 

@@ -112,7 +112,7 @@ def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forw
     mesh = create_mesh(gpu_devices("h100", 1, 1))
     replicated = NamedSharding(mesh, P())
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                          jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0)))
+                          param_shapes(model))
     size = config.vision.image_size
     images = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32, sharding=replicated)
     tokens = jax.ShapeDtypeStruct((2, config.text.context_length), jnp.int32, sharding=replicated)
@@ -130,7 +130,7 @@ def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forw
 
 
 def param_bytes(setup, dtype_bytes: int) -> int:
-    shapes = jax.eval_shape(lambda rng: init_params(planner._model(setup), rng), jax.random.key(0))
+    shapes = param_shapes(planner._model(setup))
     return dtype_bytes * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 

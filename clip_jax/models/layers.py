@@ -30,7 +30,7 @@ def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | Non
     if asked == "auto":
         sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
-    if asked not in ("xla", "cudnn"):
+    if asked is None or asked not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={asked!r}: choose auto, xla or cudnn")
     return asked
 
