@@ -23,7 +23,8 @@ import jax
 
 from clip_jax.models import get_model_config
 from clip_jax.parallel import create_mesh
-from clip_jax.plan import StepSetup, compile_train_step
+from clip_jax.plan import compile_train_step
+from clip_jax.step_factory import StepSpec
 
 BASE = "ViT-L-14"
 
@@ -38,7 +39,7 @@ def at_depth(depth: int):
 
 
 def clip_jax_compile(config, args) -> dict:
-    setup = StepSetup(config, args.precision, args.remat)
+    setup = StepSpec(config, args.precision, args.remat)
     mesh = create_mesh(jax.devices()[:1])
     wall, cpu = [], []
     for _ in range(args.repeats):

@@ -70,30 +70,26 @@ def measure_clip_jax(spec: dict) -> dict:
     import jax
 
     from clip_jax.hardware import gpu_for_device_kind
-    from clip_jax.models import create_model, get_model_config
+    from clip_jax.models import get_model_config
     from clip_jax.models.flops import train_flops
-    from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+    from clip_jax.models.layers import choose_attention_impl
     from clip_jax.parallel import create_mesh, make_global_batch
     from clip_jax.precision import get_policy
-    from clip_jax.train_step import create_train_state, make_train_step
+    from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 
     config = get_model_config(spec["model"])
-    policy = get_policy(spec["precision"])
-    attention = None if spec["attention"] == "auto" else spec["attention"]
-    model = create_model(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                         remat_policy=spec["remat"], attention_impl=attention)
-    schedule = warmup_cosine_schedule(1e-3, 10, 100_000)
-    optimizer = create_optimizer(schedule, weight_decay=0.2)
     device = jax.local_devices()[0]
+    attention = choose_attention_impl(spec["attention"], device.platform, get_policy(spec["precision"]).compute_dtype)
     mesh = create_mesh([device])
-    state, shardings = create_train_state(model, optimizer, mesh, rng=jax.random.key(0))
+    step = build_step(StepSpec(config, spec["precision"], spec["remat"], attention,
+                               optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=100_000)), mesh)
+    state = step.init(0)
     images, tokens = random_inputs(config.vision.image_size, config.text.context_length, config.text.vocab_size,
                                    spec["batch"])
     batch = make_global_batch({"images": images, "tokens": tokens}, mesh)
-    step = make_train_step(model, optimizer, schedule, mesh, shardings)
 
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.update.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     metrics = None
@@ -125,9 +121,9 @@ def measure_clip_jax(spec: dict) -> dict:
         del state, compiled
         from clip_jax import plan
 
-        setup = plan.StepSetup(config, spec["precision"], spec["remat"])
         cpu_mesh = create_mesh(jax.devices("cpu")[:1])
-        estimate = plan.StepMemory.of(plan.compile_train_step(setup, cpu_mesh, spec["batch"]))
+        cpu_spec = StepSpec(config, spec["precision"], spec["remat"])  # XLA:CPU: XLA's attention
+        estimate = plan.StepMemory.of(plan.compile_train_step(cpu_spec, cpu_mesh, spec["batch"]))
         result["planner_cpu_estimate_bytes"] = estimate.total
     return result
 

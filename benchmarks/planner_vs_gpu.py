@@ -24,6 +24,7 @@ from clip_jax import plan  # noqa: E402
 from clip_jax.hardware import gpu_for_device_kind  # noqa: E402
 from clip_jax.models import get_model_config  # noqa: E402
 from clip_jax.parallel import create_mesh  # noqa: E402
+from clip_jax.step_factory import StepSpec  # noqa: E402
 
 
 def main() -> None:
@@ -43,8 +44,8 @@ def main() -> None:
         seen.add(key)
         gpu = gpu_for_device_kind(run["device_kind"])
         mesh = create_mesh(xla_gpu.devices(gpu, 1, 1))
-        setup = plan.StepSetup(get_model_config(run["model"]), run["precision"], run["remat"],
-                               attention_impl=None if run["attention"] in ("xla", "auto") else run["attention"])
+        setup = StepSpec(get_model_config(run["model"]), run["precision"], run["remat"],
+                         attention_impl="xla" if run["attention"] in ("xla", "auto") else run["attention"])
         start = time.perf_counter()
         planned = plan.StepMemory.of(plan.compile_train_step(setup, mesh, run["batch"])).total
         rows.append({"gpu": gpu.name, "precision": run["precision"], "remat": run["remat"],

@@ -27,12 +27,12 @@ import numpy as np
 from open_clip_step import make_open_clip_step, open_clip_optimizer
 
 from clip_jax.hardware import gpu_for_device_kind
-from clip_jax.models import create_model, get_model_config
+from clip_jax.models import get_model_config
 from clip_jax.models.flops import train_flops
-from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+from clip_jax.models.layers import choose_attention_impl
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import get_policy
-from clip_jax.train_step import create_train_state, make_train_step
+from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 
 
 def keep_freed_memory_mapped() -> None:
@@ -75,23 +75,20 @@ def time_steps(run_steps, steps: int, warmup: int) -> list[list[float]]:
 
 
 def clip_jax_step(args, config, batch) -> dict:
-    policy = get_policy(args.precision)
-    model = create_model(
-        config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=args.remat
-    )
-    schedule = warmup_cosine_schedule(1e-3, warmup_steps=10, total_steps=10_000)
-    optimizer = create_optimizer(schedule, weight_decay=0.2)
     mesh = create_mesh(jax.local_devices())
+    attention = choose_attention_impl("auto", mesh.devices.flat[0].platform, get_policy(args.precision).compute_dtype)
+    spec = StepSpec(config, args.precision, args.remat, attention, fsdp=args.fsdp, accum_steps=args.accum_steps,
+                    optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=10_000))
+    step = build_step(spec, mesh)
 
     start = time.perf_counter()
-    state, shardings = create_train_state(model, optimizer, mesh, rng=jax.random.key(0), fsdp=args.fsdp)
+    state = step.init(0)
     jax.block_until_ready(state)
     init_s = time.perf_counter() - start
 
-    step = make_train_step(model, optimizer, schedule, mesh, shardings, accum_steps=args.accum_steps)
     global_batch = make_global_batch(batch, mesh)
     start = time.perf_counter()
-    compiled = step.lower(state, global_batch).compile()
+    compiled = step.update.lower(state, global_batch).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
 

@@ -7,6 +7,7 @@ its own data-iterator position (`data_iter/process_R-of-N.json`), which only a r
 (process count and data workers per process) can restore; `meta` records that layout.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,37 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint holds another model's (or optimizer's) state than the run restoring it."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint records about the run that saved it, next to its state. Fields added after the first
+    checkpoints were written are None when an older checkpoint lacks them."""
+
+    step: int
+    model: str
+    precision: str
+    global_batch: int
+    samples_seen: int
+    epoch: float
+    skipped_updates: int = 0
+    rollbacks: int = 0
+    # the data layout and seed the saved iterator positions belong to
+    process_count: int | None = None
+    data_workers: int | None = None
+    data_seed: int | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "CheckpointMeta":
+        """The record of a saved `meta` item; keys this version does not know are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in saved.items() if k in known}
+        defaults = {"step": 0, "model": "unknown", "precision": "unknown", "global_batch": 0, "samples_seen": 0,
+                    "epoch": 0.0}
+        return cls(**(defaults | fields))
+
+
 class RunCheckpoints:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
@@ -36,14 +68,14 @@ class RunCheckpoints:
                                                create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(self, step: int, state, data_iterator, meta: dict, *, force: bool = False) -> bool:
+    def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
         """Starts saving (returns before the write finishes); a step already saved is skipped."""
         if step in self._manager.all_steps():
             return False
         args = ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state),
             DATA_ITER: grain.checkpoint.CheckpointSave(data_iterator),
-            META: ocp.args.JsonSave(meta),
+            META: ocp.args.JsonSave(meta.to_json()),
         })
         return self._manager.save(step, args=args, force=force)
 
@@ -53,7 +85,7 @@ class RunCheckpoints:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, dict]:
+    def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, CheckpointMeta]:
         """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is
         a pytree of `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast
         to those dtypes, so a run can resume on another mesh size or under another precision policy."""
@@ -66,7 +98,7 @@ class RunCheckpoints:
             items[DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iterator)
         args = ocp.args.Composite(**items)
         restored = self._manager.restore(step, args=args)
-        return restored[STATE], dict(restored[META])
+        return restored[STATE], CheckpointMeta.from_json(dict(restored[META]))
 
     def wait(self) -> None:
         """Blocks until pending saves are on disk."""
@@ -76,21 +108,21 @@ class RunCheckpoints:
         self._manager.close()
 
 
-def read_meta(directory: str, step: int) -> dict:
-    """The run metadata saved with checkpoint `step` under `directory` ({} when it has none), read as a plain file:
-    no Orbax manager and no collective, so every process can look before deciding how to restore."""
+def read_meta(directory: str, step: int) -> CheckpointMeta | None:
+    """The run metadata saved with checkpoint `step` under `directory` (None when it has none), read as a plain
+    file: no Orbax manager and no collective, so every process can look before deciding how to restore."""
     path = os.path.join(directory, str(step), META, "metadata")
     if not os.path.isfile(path):
-        return {}
+        return None
     with open(path) as f:
-        return json.load(f)
+        return CheckpointMeta.from_json(json.load(f))
 
 
-def saved_process_count(meta: dict, data_iter_files: list[str]) -> int | None:
-    """How many processes saved a checkpoint: `meta["process_count"]`, or, for checkpoints that predate that field,
+def saved_process_count(meta: CheckpointMeta | None, data_iter_files: list[str]) -> int | None:
+    """How many processes saved a checkpoint: `meta.process_count`, or, for checkpoints that predate that field,
     the N of the data-iterator files `process_R-of-N.json`; None when neither tells."""
-    if "process_count" in meta:
-        return int(meta["process_count"])
+    if meta is not None and meta.process_count is not None:
+        return int(meta.process_count)
     counts = {int(m.group(2)) for m in map(_DATA_ITER_FILE.fullmatch, data_iter_files) if m}
     if len(counts) > 1:
         raise ValueError(f"data-iterator files of several process counts {sorted(counts)}: "
@@ -124,7 +156,8 @@ def check_state_matches(directory: str, step: int, abstract_state) -> None:
                    if saved[k] != wanted[k]]
     differences += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
     differences += [f"{k}: only in this run" for k in sorted(wanted.keys() - saved.keys())]
-    saved_model = read_meta(directory, step).get("model", "unknown")
+    meta = read_meta(directory, step)
+    saved_model = meta.model if meta is not None else "unknown"
     raise CheckpointMismatchError(
         f"checkpoint {os.path.join(directory, str(step))} (model {saved_model}) does not fit this run's model and "
         f"optimizer: {len(differences)} leaves differ, e.g. " + "; ".join(differences[:4])

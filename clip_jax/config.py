@@ -78,7 +78,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
     c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
     c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
-    c.fault_nan_steps = ""  # test hook: comma-separated steps whose batch is made NaN
 
     c.seed = 0
     return c

@@ -32,17 +32,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from clip_jax import train_step, xla_gpu
+from clip_jax import xla_gpu
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, param_shapes
 from clip_jax.models.flops import forward_flops, train_flops
-from clip_jax.models.layers import Transformer, choose_attention_impl
-from clip_jax.optim import create_optimizer
-from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size
+from clip_jax.models.layers import Transformer
+from clip_jax.parallel import create_mesh
 from clip_jax.precision import get_policy
-from clip_jax.train_step import is_fsdp, make_forward, make_train_step
+from clip_jax.step_factory import StepSpec, build_step, mesh_for
 
 # OpenCLIP's ViT-L/14 LAION-2B run: 72.6 samples/s per A100-40GB (27,862 on 384). Without a measurement of our own,
 # the default MFU is the model FLOP rate that run reached, as a fraction of the A100's peak for the planned precision.
@@ -73,80 +71,16 @@ class BatchDoesNotFit(ValueError):
 # -- what is compiled ------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class StepSetup:
-    """What decides the compiled train step, besides the batch and the mesh."""
-
-    model: CLIPConfig
-    precision: str = "fp32"
-    remat_policy: str = "none"  # applied to every residual block; "none": keep all activations
-    fsdp: bool = False
-    grad_clip: bool = False
-    attention_impl: str | None = None  # None: XLA's attention (the only one XLA:CPU compiles); "cudnn" on XLA:GPU
-
-    @classmethod
-    def from_config(cls, config, compiler: str = "cpu") -> "StepSetup":
-        get_policy(config.precision)  # fails on a bad name
-        return cls(get_model_config(config.model), config.precision,
-                   config.remat_policy if config.grad_checkpointing else "none", bool(config.fsdp),
-                   config.grad_clip_norm > 0, planned_attention(config.attention_impl, config.precision, compiler))
-
-    def describe(self) -> str:
-        return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
-                f"attention {self.attention_impl or 'xla'}")
+def planned_spec(config, compiler: str = "cpu") -> StepSpec:
+    """The step the trainer would build from `config` on the planned GPUs; where XLA:CPU compiles it, with XLA's
+    attention (XLA:CPU has no cuDNN)."""
+    spec = StepSpec.from_config(config, platform="gpu")
+    return spec if compiler == "gpu" else dataclasses.replace(spec, attention_impl="xla")
 
 
-def planned_attention(attention_impl: str, precision: str, compiler: str) -> str | None:
-    """The attention kernel the planned step compiles with: the trainer's choice on a GPU
-    (`choose_attention_impl`), and XLA's wherever XLA:CPU compiles (it has no cuDNN)."""
-    if compiler == "cpu":
-        return None
-    chosen = choose_attention_impl(attention_impl, "gpu", get_policy(precision).compute_dtype)
-    return None if chosen == "xla" else chosen
-
-
-def _model(setup: StepSetup):
-    policy = get_policy(setup.precision)
-    return create_model(setup.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                        remat_policy=setup.remat_policy, attention_impl=setup.attention_impl)
-
-
-def _optimizer(setup: StepSetup) -> optax.GradientTransformation:
-    # As the trainer's: a schedule (whose step count is state too) and clipping when set; the values do not matter.
-    return create_optimizer(optax.constant_schedule(1e-3), grad_clip_norm=1.0 if setup.grad_clip else None)
-
-
-def abstract_train_state(setup: StepSetup, mesh) -> Any:
-    """The train state as ShapeDtypeStructs carrying their shardings: shapes only, nothing allocated."""
-    return train_step.abstract_train_state(_model(setup), _optimizer(setup), mesh, fsdp=setup.fsdp)
-
-
-def abstract_batch(config: CLIPConfig, per_device_batch: int, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch as the data pipeline delivers it, split over the mesh."""
-    size, global_batch = config.vision.image_size, per_device_batch * data_parallel_size(mesh)
-    sharding = batch_sharding(mesh)
-    return {"images": jax.ShapeDtypeStruct((global_batch, size, size, 3), jnp.float32, sharding=sharding),
-            "tokens": jax.ShapeDtypeStruct((global_batch, config.text.context_length), jnp.int32,
-                                           sharding=sharding)}
-
-
-def compile_train_step(setup: StepSetup, mesh, per_device_batch: int, accum_steps: int = 1):
-    """`make_train_step`'s step, compiled for `mesh` from abstract inputs (by XLA:GPU when the mesh's devices are
-    compile-only GPUs)."""
-    state = abstract_train_state(setup, mesh)
-    shardings = jax.tree.map(lambda s: s.sharding, state)
-    step = make_train_step(_model(setup), _optimizer(setup), optax.constant_schedule(1e-3), mesh, shardings,
-                           accum_steps=accum_steps)
-    lowered = step.lower(state, abstract_batch(setup.model, per_device_batch, mesh))
-    return xla_gpu.compile_lowered(lowered) if mesh.devices.flat[0].platform == "gpu" else lowered.compile()
-
-
-def compile_forward(setup: StepSetup, mesh, per_device_batch: int):
-    """Both towers' forward pass as the train step runs it (what the FLOPs of a forward are counted on), compiled
-    for `mesh`."""
-    params = abstract_train_state(setup, mesh).params
-    forward = make_forward(_model(setup), mesh, fsdp=is_fsdp(jax.tree.map(lambda p: p.sharding, params)))
-    return jax.jit(forward).lower(params, abstract_batch(setup.model, per_device_batch, mesh)).compile()
+def compile_train_step(spec: StepSpec, mesh, per_device_batch: int):
+    """The train step of `spec`, compiled for `mesh` from abstract inputs."""
+    return build_step(spec, mesh).compile(per_device_batch)
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
@@ -172,10 +106,10 @@ class StepMemory:
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
 
 
-def state_bytes_per_device(setup: StepSetup, mesh) -> int:
+def state_bytes_per_device(spec: StepSpec, mesh) -> int:
     """Params + optimizer state + step counter held by one device, from the tree and its shardings."""
     total = 0
-    for leaf in jax.tree.leaves(abstract_train_state(setup, mesh)):
+    for leaf in jax.tree.leaves(build_step(spec, mesh).abstract_state):
         total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
 
@@ -265,7 +199,7 @@ def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, boo
     return t.width, t.heads, t.mlp_width, t.context_length, t.layers, True
 
 
-def block_flops(setup: StepSetup, tower: str, per_device_batch: int, *, train: bool) -> float:
+def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bool) -> float:
     """XLA's count for one residual block of `tower` (a depth-2 scanned stack, whose loop body is counted once)."""
     width, heads, mlp_width, tokens, _, causal = _tower(setup.model, tower)
     policy = get_policy(setup.precision)
@@ -280,7 +214,7 @@ def block_flops(setup: StepSetup, tower: str, per_device_batch: int, *, train: b
     return jax.jit(fn).lower(params, x).compile().cost_analysis()["flops"]
 
 
-def loop_corrected_flops(compiled, setup: StepSetup, per_device_batch: int, *, train: bool) -> float:
+def loop_corrected_flops(compiled, setup: StepSpec, per_device_batch: int, *, train: bool) -> float:
     """FLOPs per sample of a compiled forward (train=False) or train step, every block counted."""
     flops = compiled.cost_analysis()["flops"]
     if loop_bodies_counted_once():
@@ -301,14 +235,14 @@ class FlopsPerSample:
     remat_extra_xla: float  # what the remat policy really recomputes (XLA drops recomputation nothing needs)
 
 
-def flops_per_sample(setup: StepSetup, mesh, per_device_batch: int, *,
-                     compile_step: Callable[[StepSetup], Any] | None = None) -> FlopsPerSample:
+def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,
+                     compile_step: Callable[[StepSpec], Any] | None = None) -> FlopsPerSample:
     """Analytic and XLA-counted FLOPs per sample; `compile_step(setup)` may supply (cached) compiled steps."""
     if compile_step is None:
         compile_step = lambda s: compile_train_step(s, mesh, per_device_batch)
     plain = dataclasses.replace(setup, remat_policy="none")
-    forward_xla = loop_corrected_flops(compile_forward(plain, mesh, per_device_batch), plain, per_device_batch,
-                                       train=False)
+    forward_xla = loop_corrected_flops(build_step(plain, mesh).compile_forward(per_device_batch), plain,
+                                       per_device_batch, train=False)
     train_xla = loop_corrected_flops(compile_step(plain), plain, per_device_batch, train=True)
     remat_xla = 0.0
     if setup.remat_policy != "none":
@@ -340,8 +274,8 @@ def samples_per_s_per_gpu(mfu: float, gpu: GPU, precision: str, model_train_flop
     return mfu * gpu.peak_tflops(precision) * 1e12 / model_train_flops
 
 
-def _parameter_counts(setup: StepSetup) -> dict[str, int]:
-    shapes = param_shapes(_model(setup))
+def _parameter_counts(setup: StepSpec) -> dict[str, int]:
+    shapes = param_shapes(create_model(setup.model))
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
     image = count(shapes["visual"])
     logit_scale = count(shapes["logit_scale"])
@@ -412,7 +346,7 @@ def _run_length(config, global_batch: int, samples_per_s: float, num_gpus: int, 
             "gpu_hours": gpu_hours, "price_per_gpu_hour": price, "cost": None if price is None else gpu_hours * price}
 
 
-def _gpu_table(setup: StepSetup, model_train_flops: float, mfu: float | None, memory_fraction: float,
+def _gpu_table(setup: StepSpec, model_train_flops: float, mfu: float | None, memory_fraction: float,
                num_gpus: int, run: dict | None, *, exact: tuple[str, int | None],
                fit: tuple[float, float] | None) -> list[dict]:
     """Every known GPU: peaks, memory, speed at the MFU rule, largest batch (compiled for one, else the fit), days."""
@@ -458,21 +392,21 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     if len(devices) != num_gpus:
         raise ValueError(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
                          "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
-    setup = StepSetup.from_config(config, compiler)
+    setup = planned_spec(config, compiler)
     batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
         raise ValueError(f"batch_size={batch_size} (per device) must be a positive multiple of "
                          f"accum_freq={accum_freq}")
-    mesh = create_mesh(devices, fsdp_params=param_shapes(_model(setup)) if setup.fsdp else None)
+    mesh = mesh_for(setup, devices)
     budget = int(gpu.memory_bytes * memory_fraction)
 
-    compiled_steps: dict[tuple[StepSetup, int, int], Any] = {}
+    compiled_steps: dict[tuple[StepSpec, int, int], Any] = {}
 
-    def compiled_step(s: StepSetup, b: int, accum: int = 1):
+    def compiled_step(s: StepSpec, b: int, accum: int = 1):
         if (s, b, accum) not in compiled_steps:
             progress(f"compiling the train step ({s.describe()}) for {where}: per-device batch {b}, "
                      f"accum_steps {accum}")
-            compiled_steps[s, b, accum] = compile_train_step(s, mesh, b, accum)
+            compiled_steps[s, b, accum] = compile_train_step(dataclasses.replace(s, accum_steps=accum), mesh, b)
         return compiled_steps[s, b, accum]
 
     memory_probes: dict[int, int] = {}
@@ -515,7 +449,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     micro_batch = batch_size // (accum_needed or accum_freq)
     if compiler == "gpu":
         progress(f"counting FLOPs: XLA:CPU compiles of the step at per-device batch {micro_batch}")
-        cpu_setup = dataclasses.replace(setup, attention_impl=None)
+        cpu_setup = dataclasses.replace(setup, attention_impl="xla")
         flops = flops_per_sample(cpu_setup, create_mesh(jax.devices("cpu")[:1]), micro_batch)
     else:
         flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))
@@ -534,7 +468,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     return {
         "config": getattr(config, "name", "") or "", "model": setup.model.name, "gpu": gpu.name, "gpus": num_gpus,
         "setup": {"precision": setup.precision, "remat_policy": setup.remat_policy, "fsdp": setup.fsdp,
-                  "attention": setup.attention_impl or "xla", "batch_size": batch_size, "accum_freq": accum_freq,
+                  "attention": setup.attention_impl, "batch_size": batch_size, "accum_freq": accum_freq,
                   "global_batch": global_batch},
         "parameters": _parameter_counts(setup),
         "flops_per_sample": dataclasses.asdict(flops) | {"counted_at_batch": micro_batch},

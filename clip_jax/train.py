@@ -3,9 +3,8 @@
 Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step loop -> checkpoints, zero-shot
 eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
 `metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
-`--config.resume=latest` continues exactly where the last checkpoint left off. On another data layout (process
-count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed` then
-restores the train state only and reads on with new data iterators (see `data_resume_plan`).
+`--config.resume=latest` continues exactly where the last checkpoint left off (where a run starts and how its data
+resumes is decided before anything is built: `clip_jax.run_setup`).
 """
 
 import dataclasses
@@ -24,20 +23,18 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import data
-from clip_jax.checkpoint import (RunCheckpoints, data_iter_files, latest_complete_step, read_meta, resolve_resume,
-                                 saved_process_count)
+from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config
 from clip_jax.distributed import DistributedInitError, initialize_from_environment
 from clip_jax.hardware import gpu_for_device_kind
-from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
-from clip_jax.models import create_model, init_params, param_shapes
+from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
+from clip_jax.models import create_model
 from clip_jax.models.flops import train_flops
-from clip_jax.models.layers import choose_attention_impl
-from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.precision import get_policy
+from clip_jax.parallel import make_global_batch
+from clip_jax.run_setup import plan_run_start
 from clip_jax.stability import InstabilityMonitor
-from clip_jax.train_step import abstract_train_state, init_train_state, make_train_step
+from clip_jax.step_factory import StepSpec, build_step, mesh_for
+from clip_jax.step_reads import StepReads
 
 log = logging.getLogger("clip_jax.train")
 
@@ -74,106 +71,16 @@ def data_config(config, *, seed: int | None = None) -> data.TrainDataConfig:
         seed=config.seed if seed is None else seed, workers=config.workers, shuffle_window=config.shuffle_window)
 
 
-def reseeded_data_seed(seed: int, step: int) -> int:
-    """The data seed of a run resumed at `step` without its data position: a pure function of (seed, step), so all
-    processes agree and resuming the same step twice reads the same data; unlike `seed` itself it does not replay
-    the samples the run started with."""
-    return int(np.random.SeedSequence([seed, 0xDA7A, step]).generate_state(1)[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class DataResume:
-    """How a resumed run gets its data: the saved iterator position (`restore`) and the seed to build with."""
-
-    restore: bool
-    seed: int
-    note: str = ""  # what the user gets, when the position is not restored
-
-
-def data_resume_plan(config, meta: dict, saved_processes: int | None, *, where: str, step: int,
-                     process_count: int) -> DataResume:
-    """Restore the data position when the checkpoint's data layout (processes x data workers) is this run's.
-
-    Otherwise the position cannot be carried (each process and worker saved its own place in its own shard order):
-    with `resume_data="exact"` that is a ValueError naming the way out; with `"allow_reseed"` the train state alone
-    is restored and new iterators are seeded with `reseeded_data_seed(seed, step)`. In resampled mode they draw
-    fresh shards, statistically the same as continuing; in epoch mode they start a new pass over all shards, in a
-    new order, at this step (the trainer's epoch count goes on by steps, so samples already read in the interrupted
-    epoch may come again before it ends, and some others not at all in it).
-    """
-    saved_workers = meta.get("data_workers")  # None in checkpoints that predate the field: not checked
-    if (saved_processes in (None, process_count)
-            and (saved_workers is None or int(saved_workers) == config.workers)):
-        return DataResume(True, int(meta.get("data_seed", config.seed)))
-
-    def layout(processes, workers):
-        text = f"{processes} process" + ("" if processes == 1 else "es")
-        return text + (f" x {workers} data workers" if saved_workers is not None else "")
-
-    saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
-    if config.resume_data != "allow_reseed":
-        raise ValueError(
-            f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
-            "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
-            "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "
-            "data iterators (no replay of the run's first samples)")
-    seed = reseeded_data_seed(config.seed, step)
-    what = ("fresh shard draws" if config.dataset_resampled else
-            "a new pass over all shards in a new order starts at this step")
-    note = (f"data position not restored: checkpoint {where} was saved by {saved}, this run has {here}; "
-            f"new data iterators with seed {seed} (from seed {config.seed} and step {step}): {what}")
-    return DataResume(False, seed, note)
-
-
 def make_schedule(config, num_devices: int) -> Schedule:
     global_batch = config.batch_size * num_devices
     steps_per_epoch = data.steps_per_epoch(data_config(config), global_batch)
     return Schedule(global_batch, steps_per_epoch, steps_per_epoch * config.epochs)
 
 
-@dataclasses.dataclass
-class Engine:
-    """What one precision policy compiles: the model, the optimizer and the jitted step, with the state's
-    layout."""
-
-    precision: str
-    model: object
-    optimizer: object
-    abstract_state: object  # ShapeDtypeStructs with shardings
-    shardings: object
-    step_fn: object
-
-
-def build_engine(config, precision: str, mesh, schedule: Schedule) -> Engine:
-    policy = get_policy(precision)
-    model = create_model(config.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                         remat_policy=config.remat_policy if config.grad_checkpointing else "none",
-                         attention_impl=choose_attention_impl(config.attention_impl, mesh.devices.flat[0].platform,
-                                                              policy.compute_dtype))
-    lr_fn = warmup_cosine_schedule(config.lr, config.warmup, schedule.total_steps)
-    optimizer = create_optimizer(lr_fn, weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
-                                 grad_clip_norm=config.grad_clip_norm or None)
-    abstract_state = abstract_train_state(model, optimizer, mesh, fsdp=config.fsdp)
-    shardings = jax.tree.map(lambda s: s.sharding, abstract_state)
-    step_fn = make_train_step(model, optimizer, lr_fn, mesh, shardings, accum_steps=config.accum_freq)
-    return Engine(precision, model, optimizer, abstract_state, shardings, step_fn)
-
-
-def fresh_state(engine: Engine, seed: int):
-    init = lambda rng: init_train_state(init_params(engine.model, rng), engine.optimizer)  # noqa: E731
-    return jax.jit(init, out_shardings=engine.shardings)(jax.random.key(seed))
-
-
-def run_name(config) -> str:
-    if config.name:
-        return config.name
-    if config.resume == "latest":
-        raise ValueError("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
-    # One timestamp for all processes: process 0's.
-    stamp = int(time.time()) if jax.process_count() == 1 else int(
-        jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
-    model = os.path.basename(config.model).removesuffix(".json")
-    return f"{model}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}"
+def step_spec(config, schedule: Schedule, mesh_platform: str, precision: str | None = None) -> StepSpec:
+    """The step `config` trains with on devices of `mesh_platform`; `precision` replaces the config's."""
+    return StepSpec.from_config(config, platform=mesh_platform, total_steps=schedule.total_steps,
+                                precision=precision)
 
 
 class StopSignal:
@@ -201,62 +108,76 @@ class StopSignal:
 
 
 class Trainer:
-    """Holds the run's moving parts and drives the step loop."""
+    """Holds the run's moving parts and drives the step loop. It owns what it opens (the data iterator with its
+    worker processes, the checkpoint manager, the TensorBoard writer) and closes them in `close()`, also when its
+    set-up fails part way; use it as a context manager."""
 
     def __init__(self, config: ml_collections.ConfigDict):
         self.config = config
         self.is_main = jax.process_index() == 0
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
-        # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
-        self.mesh = create_mesh(fsdp_params=param_shapes(create_model(config.model)) if config.fsdp else None)
         self.schedule = make_schedule(config, jax.device_count())
-        self.run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
-        resume_dir, resume_step = (None, None)
-        if config.resume:
-            resume_dir, resume_step = resolve_resume(config.resume, self.run_dir)
-        elif latest_complete_step(os.path.join(self.run_dir, "checkpoints")) is not None:
-            raise ValueError(f"run directory {self.run_dir} already has checkpoints: continue it with "
-                             "--config.resume=latest, or start another run with --config.name=...")
-        data_resume = DataResume(False, config.seed)
-        if resume_step is not None:
-            saved_meta = read_meta(resume_dir, resume_step)
-            data_resume = data_resume_plan(
-                config, saved_meta, saved_process_count(saved_meta, data_iter_files(resume_dir, resume_step)),
-                where=f"{resume_dir}/{resume_step}", step=resume_step, process_count=jax.process_count())
-        self.data_seed = data_resume.seed
-        self.engine = build_engine(config, config.precision, self.mesh, self.schedule)
-        self.data_iter = data.build_train_iterator(
-            data_config(config, seed=self.data_seed), global_batch_size=self.schedule.global_batch,
-            image_size=self.engine.model.config.vision.image_size, mean=tuple(config.image_mean),
-            std=tuple(config.image_std), process_index=jax.process_index(), process_count=jax.process_count(),
-            context_length=self.engine.model.config.text.context_length)
-        self.checkpoints = RunCheckpoints(os.path.join(self.run_dir, "checkpoints"), keep=config.keep)
+        self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
+        self.run_dir = self.start.run_dir
+        spec = step_spec(config, self.schedule, jax.devices()[0].platform)
+        # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
+        self.mesh = mesh_for(spec)
+        self.engine = build_step(spec, self.mesh)
+        self.data_seed = self.start.data.seed
         self.skipped_updates = 0
         self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
-        self.fault_nan_steps = {int(s) for s in config.fault_nan_steps.split(",") if s.strip()}
-        if resume_step is not None:
-            self.state, meta = self._restore(resume_dir, resume_step, with_data=data_resume.restore)
-            self.skipped_updates = int(meta.get("skipped_updates", 0))
-            self.rollbacks = int(meta.get("rollbacks", 0))
-            self._say(f"resumed {resume_dir}/{resume_step} (saved under {meta.get('precision')}, "
-                      f"continuing under {self.engine.precision})")
-            if data_resume.note:
-                self._say(data_resume.note)
+        # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
+        self.flops_per_sample = train_flops(spec.model)
+        self.data_iter = self.checkpoints = self.writer = None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        config, model = self.config, self.engine.spec.model
+        self.data_iter = data.build_train_iterator(
+            data_config(config, seed=self.data_seed), global_batch_size=self.schedule.global_batch,
+            image_size=model.vision.image_size, mean=tuple(config.image_mean), std=tuple(config.image_std),
+            process_index=jax.process_index(), process_count=jax.process_count(),
+            context_length=model.text.context_length)
+        self.checkpoints = RunCheckpoints(self.start.checkpoints_dir, keep=config.keep)
+        if self.start.resume_from is not None:
+            directory, step = self.start.resume_from
+            self.state, meta = self._restore(directory, step, with_data=self.start.data.restore)
+            self.skipped_updates, self.rollbacks = meta.skipped_updates, meta.rollbacks
+            self._say(f"resumed {directory}/{step} (saved under {meta.precision}, continuing under "
+                      f"{self.engine.spec.precision})")
         else:
-            if config.resume == "latest":
-                self._say(f"no checkpoint in {self.run_dir} yet: starting fresh")
-            self.state = fresh_state(self.engine, config.seed)
+            self.state = self.engine.init(config.seed)
+        for note in self.start.notes:
+            self._say(note)
         self.step = int(jax.device_get(self.state.step))
-        self.writer = None
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, "config.json"), "w") as f:
                 f.write(config.to_json(indent=2))
             if config.report_to == "tensorboard":
                 self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
-        # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
-        self.flops_per_sample = train_flops(self.engine.model.config)
+
+    def close(self) -> None:
+        """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None)."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            self.checkpoints.close()
+        if self.data_iter is not None:
+            self.data_iter.close()  # stops the worker processes and frees their shared memory
+        if self.writer is not None:
+            self.writer.close()
+        self.checkpoints = self.data_iter = self.writer = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- output ---------------------------------------------------------------------------------------------
 
@@ -274,14 +195,12 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
-    def _meta(self) -> dict:
-        return {"step": self.step, "samples_seen": self.step * self.schedule.global_batch,
-                "epoch": self.schedule.epoch(self.step), "precision": self.engine.precision,
-                "model": self.engine.model.config.name, "global_batch": self.schedule.global_batch,
-                "skipped_updates": self.skipped_updates, "rollbacks": self.rollbacks,
-                # the data layout and seed the saved iterator positions belong to
-                "process_count": jax.process_count(), "data_workers": self.config.workers,
-                "data_seed": self.data_seed}
+    def _meta(self) -> CheckpointMeta:
+        return CheckpointMeta(
+            step=self.step, model=self.engine.spec.model.name, precision=self.engine.spec.precision,
+            global_batch=self.schedule.global_batch, samples_seen=self.step * self.schedule.global_batch,
+            epoch=self.schedule.epoch(self.step), skipped_updates=self.skipped_updates, rollbacks=self.rollbacks,
+            process_count=jax.process_count(), data_workers=self.config.workers, data_seed=self.data_seed)
 
     def save(self, force: bool = False) -> None:
         if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
@@ -289,7 +208,11 @@ class Trainer:
 
     def _restore(self, directory: str, step: int, *, with_data: bool):
         checkpoints = self.checkpoints if directory == self.checkpoints.directory else RunCheckpoints(directory)
-        return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None)
+        try:
+            return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None)
+        finally:
+            if checkpoints is not self.checkpoints:
+                checkpoints.close()
 
     def _save_due(self) -> bool:
         c, s = self.config, self.step
@@ -315,47 +238,40 @@ class Trainer:
                                    f"rollbacks to checkpoint {step}: stopping. Lower the learning rate, or resume "
                                    "under --config.precision=fp32")
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
-        if action == "rollback_fp32" and self.engine.precision != "fp32":
-            self.engine = build_engine(self.config, "fp32", self.mesh, self.schedule)
+        if action == "rollback_fp32" and self.engine.spec.precision != "fp32":
+            spec = step_spec(self.config, self.schedule, self.mesh.devices.flat[0].platform, precision="fp32")
+            self.engine = build_step(spec, self.mesh)
         self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
         self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
-                  f"{self.engine.precision} (rollback #{self.rollbacks})")
+                  f"{self.engine.spec.precision} (rollback #{self.rollbacks})")
         self.step = step
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def _next_batch(self) -> dict:
-        batch = next(self.data_iter)
-        if self.step in self.fault_nan_steps:  # once: a rollback replays the step number with new data
-            self.fault_nan_steps.discard(self.step)
-            batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
-        return make_global_batch(batch, self.mesh)
+    def _host_batch(self) -> dict:
+        """This process's rows of the next batch."""
+        return next(self.data_iter)
 
     def _peak_flops(self) -> float | None:
         if self.config.peak_tflops_per_device:
             return self.config.peak_tflops_per_device * 1e12
         gpu = gpu_for_device_kind(jax.devices()[0].device_kind)
-        return gpu.peak_tflops(self.engine.precision) * 1e12 if gpu else None
+        return gpu.peak_tflops(self.engine.spec.precision) * 1e12 if gpu else None
 
     def train(self) -> dict:
         c, schedule = self.config, self.schedule
-        self._say(f"run {self.run_dir}: {self.engine.model.config.name}, {jax.device_count()} devices, global "
+        self._say(f"run {self.run_dir}: {self.engine.spec.model.name}, {jax.device_count()} devices, global "
                   f"batch {schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
-                  f"{schedule.total_steps} steps, precision {self.engine.precision}")
+                  f"{schedule.total_steps} steps, precision {self.engine.spec.precision}")
         stop = StopSignal()
         monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)
-        window = None
-        window_start, window_steps, data_wait, first_step = time.perf_counter(), 0, 0.0, True
-        # The host reads a step's loss only after dispatching the next one, so the devices never wait for the
-        # host between steps; at a log, save or eval step the reads catch up first.
-        pending = None  # (step, metrics) dispatched but not yet read
+        reads = StepReads(lambda step, metrics: self._observe(step, metrics, monitor))
+        first_step = True
         try:
             while self.step < schedule.total_steps:
                 if self._stop_check_due() and stop.agreed():
-                    read, pending = pending, None
-                    if read is not None and self._observe(*read, monitor):
-                        window = None
+                    if reads.catch_up():
                         continue  # rolled back: go on from the checkpoint, and stop at the next check
                     self.save(force=True)
                     self.checkpoints.wait()
@@ -363,34 +279,24 @@ class Trainer:
                               "exiting. Continue with --config.resume=latest")
                     return {"stopped_at": self.step}
                 t0 = time.perf_counter()
-                batch = self._next_batch()
-                data_wait += time.perf_counter() - t0
-                self.state, metrics = self.engine.step_fn(self.state, batch)
+                batch = make_global_batch(self._host_batch(), self.mesh)
+                reads.count_step(data_wait=time.perf_counter() - t0)
+                self.state, metrics = self.engine(self.state, batch)
                 self.step += 1
-                window_steps += 1
                 if first_step:  # compilation is not training speed: time the window from here
                     jax.block_until_ready(metrics)
-                    first_step, window_start, window_steps, data_wait = False, time.perf_counter(), 0, 0.0
-                if pending is not None:
-                    read, pending = pending, None
-                    if self._observe(*read, monitor):
-                        window = None
-                        continue  # the step just dispatched belongs to the abandoned trajectory
-                    window = self._merge(window, read[1])
-                pending = (self.step, metrics)
+                    first_step = False
+                    reads.restart_clock()
+                if reads.dispatched(self.step, metrics):
+                    continue  # rolled back
                 log_due = self.step % c.log_every_n_steps == 0 or self.step == schedule.total_steps
                 save_due, zeroshot_due = self._save_due(), self._zeroshot_due()
                 if not (log_due or save_due or zeroshot_due):
                     continue
-                read, pending = pending, None  # catch up: what is logged or saved has been checked
-                if self._observe(*read, monitor):
-                    window = None
+                if reads.catch_up():  # what is logged or saved has been checked
                     continue
-                window = self._merge(window, read[1])
                 if log_due:
-                    elapsed = time.perf_counter() - window_start
-                    self._log_window(window, window_steps, elapsed, data_wait)
-                    window, window_start, window_steps, data_wait = None, time.perf_counter(), 0, 0.0
+                    self._log_window(*reads.take_window())
                 if save_due:
                     self.save()
                 if zeroshot_due:
@@ -426,13 +332,6 @@ class Trainer:
             monitor.reset()
             return True
         return False
-
-    @staticmethod
-    def _merge(window, metrics: dict):
-        if not bool(metrics["finite"]):  # a skipped step's loss would only turn the window's averages into NaN
-            return window
-        update = TrainMetrics.single_from_model_output(**metrics)
-        return update if window is None else window.merge(update)
 
     def _log_window(self, window, steps: int, elapsed: float, data_wait: float) -> None:
         scalars = window_scalars(window) if window is not None else {}
@@ -485,14 +384,8 @@ class Trainer:
 
 
 def train(config: ml_collections.ConfigDict) -> dict:
-    trainer = Trainer(config)
-    try:
+    with Trainer(config) as trainer:
         return trainer.train()
-    finally:
-        trainer.checkpoints.close()
-        trainer.data_iter.close()  # stops the worker processes and frees their shared memory
-        if trainer.writer is not None:
-            trainer.writer.close()
 
 
 def main(argv) -> int:

@@ -22,10 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clip_jax.loss import contrastive_loss_and_accuracy
-from clip_jax.models import init_params
 from clip_jax.optim import clamp_logit_scale
 from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
-                               is_split, path_names, replicated, state_shardings)
+                               is_split, path_names, replicated)
 
 
 class TrainState(NamedTuple):
@@ -38,47 +37,6 @@ class TrainState(NamedTuple):
 
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
-
-
-def abstract_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh, *, fsdp: bool = False):
-    """The train state as `jax.ShapeDtypeStruct`s carrying their shardings: shapes only, nothing allocated (what
-    compiling ahead of time and restoring a checkpoint need)."""
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
-    shardings = state_shardings(shapes, mesh, fsdp=fsdp)
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                        shapes, shardings)
-
-
-def create_train_state(
-    model, optimizer: optax.GradientTransformation, mesh: Mesh, *, rng=None, params=None, fsdp: bool = False
-) -> tuple[TrainState, Any]:
-    """(state, its shardings): fresh params from `rng`, or the given `params`, laid out on `mesh`.
-
-    Fresh params are initialised directly in their shardings, so no device ever holds more than its part.
-    """
-    if (rng is None) == (params is None):
-        raise ValueError(
-            "create_train_state: pass exactly one of rng= (fresh init) or params= (existing weights)"
-        )
-    if params is None:
-
-        def init(rng):
-            return init_train_state(init_params(model, rng), optimizer)
-
-        source = rng
-    else:
-
-        def init(params):
-            return init_train_state(params, optimizer)
-
-        source = params
-    shardings = state_shardings(jax.eval_shape(init, source), mesh, fsdp=fsdp)
-    return jax.jit(init, out_shardings=shardings)(source), shardings
-
-
-def is_fsdp(param_shardings) -> bool:
-    """True when any parameter is split over the mesh (the FSDP layout of `state_shardings`)."""
-    return not all(s.is_fully_replicated for s in jax.tree.leaves(param_shardings))
 
 
 def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
@@ -235,19 +193,21 @@ def make_train_step(
     mesh: Mesh,
     shardings: TrainState,
     *,
+    fsdp: bool,
     accum_steps: int = 1,
 ) -> Callable:
-    """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated.
+    """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
+    `clip_jax.step_factory.build_step`.
 
-    `shardings`: the train state's shardings, from `create_train_state`. metrics: `loss`, `accuracy` (top-1 of
-    the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
-    `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the
-    update was skipped for a non-finite loss or gradient).
+    `shardings`: the train state's shardings (split under `fsdp`, else replicated). metrics: `loss`, `accuracy`
+    (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
+    `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
+    was skipped for a non-finite loss or gradient).
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     n_shards = data_parallel_size(mesh)
-    forward = make_forward(model, mesh, fsdp=is_fsdp(shardings.params))
+    forward = make_forward(model, mesh, fsdp=fsdp)
 
     def loss_fn(image_features, text_features, logit_scale):
         return contrastive_loss_and_accuracy(image_features, text_features, logit_scale, mesh=mesh)

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from clip_jax.checkpoint import CheckpointMismatchError, RunCheckpoints
+from clip_jax.checkpoint import CheckpointMeta, CheckpointMismatchError, RunCheckpoints
 from clip_jax.train_step import TrainState
 
 
@@ -27,7 +27,8 @@ def abstract(state):
 def saved(tmp_path):
     checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), async_save=False)
     data_iter = iter(grain.MapDataset.range(4).to_iter_dataset())
-    checkpoints.save(7, train_state(8), data_iter, {"model": "ViT-tiny-8"})
+    meta = CheckpointMeta(step=7, model="ViT-tiny-8", precision="fp32", global_batch=8, samples_seen=56, epoch=0.5)
+    checkpoints.save(7, train_state(8), data_iter, meta)
     checkpoints.wait()
     yield checkpoints
     checkpoints.close()
@@ -35,7 +36,7 @@ def saved(tmp_path):
 
 def test_a_state_of_the_same_shapes_restores_also_in_another_dtype(saved):
     state, meta = saved.restore(7, abstract(train_state(8, dtype=jnp.bfloat16)))
-    assert meta["model"] == "ViT-tiny-8"
+    assert meta.model == "ViT-tiny-8" and meta.process_count is None  # not recorded: None
     assert state.params["visual"]["conv1"]["kernel"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(state.params["visual"]["conv1"]["kernel"], np.float32),
                                   np.arange(32.0).reshape(4, 8))

@@ -2,6 +2,7 @@
 losses, same parameters; checkpoints cross the process count (the data position only where asked to reseed); a
 dead process makes its peer exit."""
 
+import dataclasses
 import json
 import os
 import re
@@ -15,10 +16,12 @@ import numpy as np
 import pytest
 
 from clip_jax import data
+from clip_jax import run_setup
 from clip_jax import train as train_lib
-from clip_jax.checkpoint import RunCheckpoints, data_iter_files, read_meta, saved_process_count
+from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints, data_iter_files, read_meta, saved_process_count
 from clip_jax.data import make_shards
 from clip_jax.parallel import create_mesh, make_global_batch
+from clip_jax.step_factory import build_step
 from test_train import TINY, losses, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,13 +92,13 @@ def one_process(two_process_run):
     config = two_process_run[0]
     mesh = create_mesh()
     schedule = train_lib.make_schedule(config, jax.device_count())
-    return mesh, train_lib.build_engine(config, "fp32", mesh, schedule)
+    return mesh, build_step(train_lib.step_spec(config, schedule, "cpu", "fp32"), mesh)
 
 
 def run_steps(engine, mesh, state, batches, steps):
     out = []
     for _ in range(steps):
-        state, metrics = engine.step_fn(state, make_global_batch(next(batches), mesh))
+        state, metrics = engine(state, make_global_batch(next(batches), mesh))
         out.append(float(metrics["loss"]))
     return state, out
 
@@ -112,17 +115,17 @@ def test_two_processes_train_exactly_as_one_process_on_the_same_global_batch(two
     config, run_dir, _ = two_process_run
     assert jax.process_count() == 1 and jax.device_count() == 8
     mesh, engine = one_process
-    fresh = train_lib.fresh_state(engine, config.seed)
+    fresh = engine.init(config.seed)
     state, got = run_steps(engine, mesh, fresh, global_batches(config, 2), STEPS)
     two = losses(run_dir)
     np.testing.assert_allclose(got, [two[s] for s in range(1, STEPS + 1)], rtol=1e-5)
     saved, meta = RunCheckpoints(str(run_dir / "checkpoints")).restore(STEPS, engine.abstract_state)
-    assert meta["global_batch"] == 64
+    assert meta.global_batch == 64
     # fp32 sums in another order (gloo across processes vs one process) differ in the last bits; Adam turns a
     # last-bit difference of a near-zero gradient into up to ~1% of one update (lr 3e-3).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4),
                  saved.params, state.params)
-    initial = train_lib.fresh_state(engine, config.seed).params
+    initial = engine.init(config.seed).params
     moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                 for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(initial)))
     assert moved > 5e-3  # training moved the parameters far more than the tolerance
@@ -210,34 +213,37 @@ def test_the_saved_process_count_is_read_from_the_meta_and_else_from_the_data_it
     _, run_dir, _ = two_process_run
     directory = str(run_dir / "checkpoints")
     meta, files = read_meta(directory, STEPS), data_iter_files(directory, STEPS)
-    assert (meta["process_count"], meta["data_workers"]) == (2, 0)
+    assert (meta.process_count, meta.data_workers) == (2, 0)
     assert saved_process_count(meta, files) == 2
-    assert saved_process_count({}, files) == 2  # a checkpoint from before the field: Grain's file names tell
-    assert saved_process_count({"process_count": 3}, []) == 3
-    assert saved_process_count({}, [f"process_{r}-of-4.json" for r in range(4)] + ["other.json"]) == 4
-    assert saved_process_count({}, []) is None
+    older = CheckpointMeta.from_json({"step": STEPS, "model": "tiny"})  # from before the field
+    assert older.process_count is None
+    assert saved_process_count(older, files) == 2  # Grain's file names tell
+    assert saved_process_count(dataclasses.replace(older, process_count=3), []) == 3
+    assert saved_process_count(older, [f"process_{r}-of-4.json" for r in range(4)] + ["other.json"]) == 4
+    assert saved_process_count(None, []) is None
     with pytest.raises(ValueError, match="several process counts"):
-        saved_process_count({}, ["process_0-of-1.json", "process_0-of-2.json"])
-    assert read_meta(directory, 999) == {}
+        saved_process_count(older, ["process_0-of-1.json", "process_0-of-2.json"])
+    assert read_meta(directory, 999) is None
 
 
 def test_the_data_resume_plan(shard_data, tmp_path):
     config = config_for(shard_data, tmp_path)
-    plan = lambda meta, saved, processes, **kw: train_lib.data_resume_plan(  # noqa: E731
-        config, meta, saved, where="CKPT", step=6, process_count=processes, **kw)
+    plan = lambda saved, processes, **fields: run_setup.data_resume_plan(  # noqa: E731
+        config, CheckpointMeta.from_json({"step": 6, **fields}), saved, where="CKPT", step=6,
+        process_count=processes)
     # Same layout: the saved position, with the data seed it was saved under (a run reseeded earlier keeps it).
-    assert plan({"process_count": 2, "data_workers": 0, "data_seed": 123}, 2, 2) == train_lib.DataResume(True, 123)
-    assert plan({}, None, 2) == train_lib.DataResume(True, config.seed)  # nothing tells: Grain restores or says
+    assert plan(2, 2, process_count=2, data_workers=0, data_seed=123) == run_setup.DataResume(True, 123)
+    assert plan(None, 2) == run_setup.DataResume(True, config.seed)  # nothing tells: Grain restores or says
     with pytest.raises(ValueError, match="saved by 2 processes x 4 data workers, this run has 2 processes x 0"):
-        plan({"process_count": 2, "data_workers": 4}, 2, 2)
+        plan(2, 2, process_count=2, data_workers=4)
     with pytest.raises(ValueError, match=r"CKPT was saved by 2 processes, this run has 1 process: .*allow_reseed"):
-        plan({}, 2, 1)
+        plan(2, 1)
     config.resume_data = "allow_reseed"
-    reseeded = plan({"process_count": 2, "data_workers": 0}, 2, 1)
+    reseeded = plan(2, 1, process_count=2, data_workers=0)
     assert not reseeded.restore
-    assert reseeded.seed == train_lib.reseeded_data_seed(config.seed, 6)
+    assert reseeded.seed == run_setup.reseeded_data_seed(config.seed, 6)
     assert "data position not restored" in reseeded.note and "a new pass over all shards" in reseeded.note
-    seeds = {train_lib.reseeded_data_seed(s, step) for s in (0, 1) for step in (0, 1, 2, 1000)}
+    seeds = {run_setup.reseeded_data_seed(s, step) for s in (0, 1) for step in (0, 1, 2, 1000)}
     assert len(seeds) == 8 and not seeds & {0, 1}  # a new stream per (seed, step), never the run's own
 
 
@@ -246,7 +252,7 @@ def test_a_one_process_checkpoint_continues_in_two_processes_with_reseeded_data(
     config = config_for(shard_data, tmp_path / "one")
     train_lib.train(config)  # this process: 1 x 8 devices, checkpoints 2 and 4
     saved = tmp_path / "one" / "run" / "checkpoints"
-    assert read_meta(str(saved), 2)["process_count"] == 1
+    assert read_meta(str(saved), 2).process_count == 1
 
     resumed = config_for(shard_data, tmp_path / "two", resume=str(saved / "2"), resume_data="allow_reseed")
     t0 = time.perf_counter()
@@ -260,12 +266,12 @@ def test_a_one_process_checkpoint_continues_in_two_processes_with_reseeded_data(
     assert sorted(got) == [3, 4]
 
     # Here: the same checkpoint, then the batches that 2 processes' iterators give under the reseeded data seed.
-    seed = train_lib.reseeded_data_seed(config.seed, 2)
+    seed = run_setup.reseeded_data_seed(config.seed, 2)
     state, _ = RunCheckpoints(str(saved)).restore(2, engine.abstract_state)
     _, expected = run_steps(engine, mesh, state, global_batches(config, 2, seed=seed), STEPS - 2)
     np.testing.assert_allclose([got[3], got[4]], expected, rtol=1e-5)
     meta = read_meta(str(tmp_path / "two" / "run" / "checkpoints"), STEPS)
-    assert (meta["step"], meta["process_count"], meta["data_seed"]) == (STEPS, 2, seed)
+    assert (meta.step, meta.process_count, meta.data_seed) == (STEPS, 2, seed)
 
     # The new stream does not replay the run's start: its first batch is neither the run's first nor what two
     # processes would have read first under the run's own seed.

@@ -1,6 +1,7 @@
 """The resource planner: its memory is XLA's for the very step training runs, its FLOPs match the analytic count,
 the largest-batch search is exact and monotone, and bad input gets a clear message with the numbers."""
 
+import dataclasses
 import json
 import math
 import os
@@ -14,11 +15,10 @@ import pytest
 
 from clip_jax import plan as planner
 from clip_jax.config import default_config
-from clip_jax.models import create_model, get_model_config, init_params
+from clip_jax.models import get_model_config
 from clip_jax.models.flops import forward_flops
-from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import create_mesh, make_global_batch, state_shardings
-from clip_jax.train_step import init_train_state, make_train_step
+from clip_jax.parallel import create_mesh, make_global_batch
+from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -46,23 +46,19 @@ def tiny_config(model_file, **fields):
 
 def test_planned_memory_is_xla_memory_of_the_real_sharded_step():
     """Abstract inputs (nothing allocated) give the same memory analysis as the step built from real arrays."""
-    setup = planner.StepSetup(get_model_config(TINY), "fp32", "nothing_saveable", fsdp=True)
+    setup = StepSpec(TINY, "fp32", "nothing_saveable", fsdp=True)
     mesh = create_mesh(jax.devices()[:8])
     per_device = 3
     planned = planner.StepMemory.of(planner.compile_train_step(setup, mesh, per_device))
 
     # The same step built from real arrays laid out on the devices, with the trainer's optimizer and schedule.
-    model = create_model(TINY, remat_policy="nothing_saveable")
-    schedule = warmup_cosine_schedule(5e-4, 10, 1000)
-    optimizer = create_optimizer(schedule, weight_decay=0.2)
-    state = init_train_state(init_params(model, jax.random.key(1)), optimizer)
-    shardings = state_shardings(state, mesh, fsdp=True)
-    state = jax.device_put(state, shardings)
+    trainers = dataclasses.replace(setup, optimizer=OptimizerSpec(lr=5e-4, warmup=10, total_steps=1000))
+    step = build_step(trainers, mesh)
+    state = step.init(1)
     rng = np.random.default_rng(0)
     batch = make_global_batch({"images": rng.normal(size=(8 * per_device, 32, 32, 3)).astype(np.float32),
                                "tokens": rng.integers(1, 999, size=(8 * per_device, 16)).astype(np.int32)}, mesh)
-    step = make_train_step(model, optimizer, schedule, mesh, shardings)
-    real = planner.StepMemory.of(step.lower(state, batch).compile())
+    real = planner.StepMemory.of(step.update.lower(state, batch).compile())
 
     assert planned.total == pytest.approx(real.total, rel=1e-3)
     assert planned.argument == real.argument
@@ -72,7 +68,7 @@ def test_planned_memory_is_xla_memory_of_the_real_sharded_step():
     assert real.argument == held + planner.batch_bytes_per_device(setup.model, per_device)
     # FSDP holds less than a replica: params + 2 AdamW moments in fp32, 12 bytes per parameter, plus counters.
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-    replicated = planner.state_bytes_per_device(planner.StepSetup(setup.model, "fp32"), mesh)
+    replicated = planner.state_bytes_per_device(StepSpec(setup.model, "fp32"), mesh)
     assert 12 * n_params <= replicated <= 12 * n_params + 64
     assert held < 0.5 * replicated
 
@@ -82,7 +78,7 @@ def test_xla_flops_of_the_compiled_programs_agree_with_the_analytic_count(name, 
     """Every scanned block counted (XLA counts a loop body once): a few percent above the matmul-only count."""
     config = get_model_config(name)
     per_device = 8
-    flops = planner.flops_per_sample(planner.StepSetup(config, "fp32", remat), create_mesh(jax.devices()[:1]),
+    flops = planner.flops_per_sample(StepSpec(config, "fp32", remat), create_mesh(jax.devices()[:1]),
                                      per_device)
     assert flops.forward_analytic == forward_flops(config)
     # XLA also counts norms, softmax, GELU: more, but by a few percent only.

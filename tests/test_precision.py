@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from clip_jax.models import create_model, init_params
-from clip_jax.optim import create_optimizer
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import POLICIES, cast_params, get_policy
-from clip_jax.train_step import create_train_state, make_train_step
+from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 from test_train_step import TINY, random_batch
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
 
@@ -52,13 +51,10 @@ def steps(fp32_params, batch):
     mesh = create_mesh()
     results = {}
     for name in POLICIES:
-        model = policy_model(name)
-        tx = create_optimizer(1e-3)
-        params = cast_params(fp32_params, get_policy(name))
-        state, shardings = create_train_state(model, tx, mesh, params=params)
-        step = make_train_step(model, tx, lambda s: 1e-3, mesh, shardings)
+        step = build_step(StepSpec(TINY, name, optimizer=OptimizerSpec(lr=1e-3)), mesh)
+        state = step.state_from_params(cast_params(fp32_params, get_policy(name)))
         global_batch = make_global_batch(batch, mesh)
-        lowered = step.lower(state, global_batch)
+        lowered = step.update.lower(state, global_batch)
         state, metrics = lowered.compile()(state, global_batch)
         stablehlo = lowered.as_text()
         results[name] = (stablehlo, state, {k: float(v) for k, v in metrics.items()})

@@ -1,5 +1,6 @@
 """The trainer end to end on 8 simulated devices and the demo data: learning, resumption, faults, bad configs."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -88,6 +89,22 @@ def launch(config, *extra) -> subprocess.Popen:
                             text=True, cwd=REPO)
 
 
+def with_nan_batches(trainer, steps: set[int]):
+    """`trainer` with the batches after the given step counts made NaN, once each (a rollback replays a step number
+    with new data)."""
+    host_batch, pending = trainer._host_batch, set(steps)
+
+    def nan_batch():
+        batch = host_batch()
+        if trainer.step in pending:
+            pending.discard(trainer.step)
+            batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
+        return batch
+
+    trainer._host_batch = nan_batch
+    return trainer
+
+
 def wait_for_step(run_dir, step, process, timeout=240):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -126,7 +143,7 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
     # host waits for a loss; at a log (or save) step the host catches up before reporting.
     trainer = train_lib.Trainer(tiny_config(shards, tmp_path, train_num_samples=512, log_every_n_steps=4,
                                             save_every_steps=0))
-    events, step_fn, observe = [], trainer.engine.step_fn, trainer._observe
+    events, step_fn, observe = [], trainer.engine.update, trainer._observe
 
     def dispatch(state, batch):
         events.append(f"dispatch {trainer.step + 1}")
@@ -136,7 +153,7 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
         events.append(f"read {step}")
         return observe(step, metrics, monitor)
 
-    trainer.engine.step_fn = dispatch
+    trainer.engine = dataclasses.replace(trainer.engine, update=dispatch)
     monkeypatch.setattr(trainer, "_observe", read)
     trainer.train()
     assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3",
@@ -148,9 +165,8 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
 def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards, tmp_path, monkeypatch):
     # The stop signal arrives while step 6 (NaN inputs, nan_patience 1) is dispatched but unread: the stop check
     # reads it first, rolls back to checkpoint 4 once, and stops there.
-    config = tiny_config(shards, tmp_path, log_every_n_steps=100, save_every_steps=4, fault_nan_steps="5",
-                         nan_patience=1)
-    trainer = train_lib.Trainer(config)
+    config = tiny_config(shards, tmp_path, log_every_n_steps=100, save_every_steps=4, nan_patience=1)
+    trainer = with_nan_batches(train_lib.Trainer(config), {5})
 
     class StopAtStep6:
         received = "SIGTERM"
@@ -214,20 +230,44 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_under_another_precision(sh
 
 
 def test_non_finite_steps_are_skipped_then_rolled_back_to_fp32(shards, tmp_path):
-    config = tiny_config(shards, tmp_path, precision="bf16", fault_nan_steps="13,14,15", nan_patience=3,
-                         on_instability="rollback_fp32")
-    trainer = train_lib.Trainer(config)
-    trainer.train()
+    config = tiny_config(shards, tmp_path, precision="bf16", nan_patience=3, on_instability="rollback_fp32")
+    with with_nan_batches(train_lib.Trainer(config), {13, 14, 15}) as trainer:
+        trainer.train()
     assert trainer.skipped_updates == 3
     assert trainer.rollbacks == 1
-    assert trainer.engine.precision == "fp32"
+    assert trainer.engine.spec.precision == "fp32"
     assert trainer.step == 32
     assert all(np.isfinite(v) for v in losses(tmp_path / "run").values())
 
 
+def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path, monkeypatch):
+    closed, build = [], train_lib.data.build_train_iterator
+
+    def build_recording_close(*args, **kwargs):
+        iterator = build(*args, **kwargs)
+        close = iterator.close
+        iterator.close = lambda: (closed.append("data iterator"), close())
+        return iterator
+
+    class Checkpoints(train_lib.RunCheckpoints):
+        def close(self):
+            closed.append("checkpoints")
+            super().close()
+
+    def unwritable(logdir):
+        raise OSError(f"{logdir}: read-only file system")
+
+    monkeypatch.setattr(train_lib.data, "build_train_iterator", build_recording_close)
+    monkeypatch.setattr(train_lib, "RunCheckpoints", Checkpoints)
+    monkeypatch.setattr(train_lib, "TensorBoardWriter", unwritable)  # the last thing the set-up opens
+    with pytest.raises(OSError, match="read-only file system"):
+        train_lib.Trainer(tiny_config(shards, tmp_path, report_to="tensorboard"))
+    assert sorted(closed) == ["checkpoints", "data iterator"]
+
+
 def test_a_single_skipped_step_does_not_roll_back(shards, tmp_path):
-    trainer = train_lib.Trainer(tiny_config(shards, tmp_path, fault_nan_steps="10", nan_patience=3))
-    trainer.train()
+    with with_nan_batches(train_lib.Trainer(tiny_config(shards, tmp_path, nan_patience=3)), {10}) as trainer:
+        trainer.train()
     assert trainer.skipped_updates == 1 and trainer.rollbacks == 0
 
 

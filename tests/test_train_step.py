@@ -5,22 +5,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from clip_jax import plan
 from clip_jax.models import create_model, init_params, param_shapes
-from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import (batch_sharding, create_mesh, fsdp_data_size, fsdp_leaf_spec, fsdp_spec,
                                make_global_batch)
-from clip_jax.train_step import (
-    TrainState,
-    create_train_state,
-    make_train_step,
-    merge_micro_batches,
-    split_micro_batches,
-)
+from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.train_step import TrainState, merge_micro_batches, split_micro_batches
 
 TINY = {
     "embed_dim": 32,
@@ -55,13 +47,15 @@ def batch():
     return random_batch(GLOBAL_BATCH)
 
 
-def sgd_step(model, params, batch, *, n_devices, accum_steps=1, fsdp=False):
+SGD = OptimizerSpec("sgd", lr=SGD_LR)
+
+
+def sgd_step(params, batch, *, n_devices, accum_steps=1, fsdp=False, remat_policy="none"):
     """(params after one SGD step as numpy, metrics) on the first `n_devices` devices."""
     mesh = create_mesh(jax.devices()[:n_devices])
-    tx = optax.sgd(SGD_LR)
-    state, shardings = create_train_state(model, tx, mesh, params=params, fsdp=fsdp)
-    step = make_train_step(model, tx, lambda s: SGD_LR, mesh, shardings, accum_steps=accum_steps)
-    state, metrics = step(state, make_global_batch(batch, mesh))
+    spec = StepSpec(TINY, remat_policy=remat_policy, fsdp=fsdp, optimizer=SGD, accum_steps=accum_steps)
+    step = build_step(spec, mesh)
+    state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
 
 
@@ -83,13 +77,13 @@ def _get(tree, path):
 
 
 @pytest.fixture(scope="module")
-def one_device_step(model, params, batch):
-    return sgd_step(model, params, batch, n_devices=1)
+def one_device_step(params, batch):
+    return sgd_step(params, batch, n_devices=1)
 
 
 @pytest.fixture(scope="module")
-def eight_device_step(model, params, batch):
-    return sgd_step(model, params, batch, n_devices=8)
+def eight_device_step(params, batch):
+    return sgd_step(params, batch, n_devices=8)
 
 
 def test_eight_devices_equal_one_device(params, one_device_step, eight_device_step):
@@ -105,27 +99,27 @@ def test_eight_devices_equal_one_device(params, one_device_step, eight_device_st
     assert metrics_1["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
-def test_fsdp_equals_replicated(model, params, batch, eight_device_step):
-    after, metrics = sgd_step(model, params, batch, n_devices=8, fsdp=True)
+def test_fsdp_equals_replicated(params, batch, eight_device_step):
+    after, metrics = sgd_step(params, batch, n_devices=8, fsdp=True)
     assert_same_update(params, after, eight_device_step[0])
     assert metrics["loss"] == pytest.approx(eight_device_step[1]["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("accum_steps", [4])  # micro-batches of one row per device
 def test_accumulation_with_fsdp_and_remat_equals_full_batch(params, batch, eight_device_step, accum_steps):
-    remat_model = create_model(TINY, remat_policy="nothing_saveable")
-    after, metrics = sgd_step(remat_model, params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True)
+    after, metrics = sgd_step(params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True,
+                              remat_policy="nothing_saveable")
     assert_same_update(params, after, eight_device_step[0])
     for name in ("loss", "accuracy", "logit_scale", "grad_norm"):
         assert metrics[name] == pytest.approx(eight_device_step[1][name], rel=1e-5), name
 
 
-def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(model, params, batch):
-    mesh = create_mesh()
-    schedule = warmup_cosine_schedule(1e-3, warmup_steps=5, total_steps=100)
-    tx = create_optimizer(schedule, weight_decay=0.2, grad_clip_norm=1.0)
+def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(params, batch):
+    adamw = OptimizerSpec(lr=1e-3, warmup=5, total_steps=100, weight_decay=0.2, grad_clip_norm=1.0)
+    step = build_step(StepSpec(TINY, fsdp=True, optimizer=adamw), create_mesh())
+    mesh = step.mesh
     start = {**params, "logit_scale": np.float32(4.7)}  # above ln(100): the step must clamp it
-    state, shardings = create_train_state(model, tx, mesh, params=start, fsdp=True)
+    state = step.state_from_params(start)
 
     kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [layers, 64, 256]
     assert kernel.sharding.spec == P(None, None, "data")
@@ -136,7 +130,6 @@ def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(model, param
     )
     assert state.params["visual"]["ln_pre"]["scale"].sharding.spec == P()  # small: replicated
 
-    step = make_train_step(model, tx, schedule, mesh, shardings)
     old_kernel = kernel
     for expected_step in (1, 2):
         state, metrics = step(state, make_global_batch(batch, mesh))
@@ -159,13 +152,10 @@ def test_micro_batches_take_rows_from_every_shard_and_merge_back():
     np.testing.assert_array_equal(merge_micro_batches(micro, n_shards=4), x)
 
 
-def test_batch_not_divisible_by_devices_times_micro_batches_is_rejected(model, params, batch):
-    mesh = create_mesh()
-    tx = optax.sgd(0.1)
-    state, shardings = create_train_state(model, tx, mesh, params=params)
-    step = make_train_step(model, tx, lambda s: 0.1, mesh, shardings, accum_steps=3)
+def test_batch_not_divisible_by_devices_times_micro_batches_is_rejected(params, batch):
+    step = build_step(StepSpec(TINY, optimizer=SGD, accum_steps=3), create_mesh())
     with pytest.raises(ValueError, match="divisible by devices x accum_steps = 8 x 3"):
-        step(state, make_global_batch(batch, mesh))
+        step(step.state_from_params(params), make_global_batch(batch, step.mesh))
 
 
 def test_global_batch_from_process_rows():
@@ -207,14 +197,13 @@ def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
     """6 devices, weights of width 32 and 64: most leaves split 2 ways over a 3 x 2 grid. One SGD step equals the
     replicated step on the same devices, leaf by leaf; the state is split as the grid says."""
     batch, devices = random_batch(24), jax.devices()[:6]
-    tx = optax.sgd(SGD_LR)
 
     def step_on(mesh, fsdp):  # (the c_fc kernel's spec and shard shape, params after one step, metrics)
-        state, shardings = create_train_state(model, tx, mesh, params=params, fsdp=fsdp)
+        step = build_step(StepSpec(TINY, fsdp=fsdp, optimizer=SGD), mesh)
+        state = step.state_from_params(params)
         kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [2, 64, 256]
         layout = kernel.sharding.spec, kernel.addressable_shards[0].data.shape
-        state, metrics = make_train_step(model, tx, lambda s: SGD_LR, mesh, shardings)(
-            state, make_global_batch(batch, mesh))
+        state, metrics = step(state, make_global_batch(batch, mesh))
         return layout, jax.tree.map(np.asarray, state.params), metrics
 
     layout, after, metrics = step_on(create_mesh(devices, fsdp_params=param_shapes(model)), fsdp=True)
@@ -224,10 +213,14 @@ def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
     assert float(metrics["loss"]) == pytest.approx(float(expected_metrics["loss"]), rel=1e-6)
 
 
-def test_create_train_state_needs_exactly_one_source(model):
-    mesh = create_mesh()
-    with pytest.raises(ValueError, match="exactly one of rng="):
-        create_train_state(model, optax.sgd(0.1), mesh)
+def test_step_spec_refuses_what_no_step_compiles():
+    for fields, message in [({"precision": "fp16"}, "unknown precision policy 'fp16'"),
+                            ({"attention_impl": "auto"}, "resolve 'auto'"), ({"accum_steps": 0}, "accum_steps"),
+                            ({"loss": "siglip"}, "loss 'siglip'")]:
+        with pytest.raises(ValueError, match=message):
+            StepSpec(TINY, **fields)
+    with pytest.raises(ValueError, match="optimizer 'lamb'"):
+        OptimizerSpec("lamb")
 
 
 # Activations dominate its step's memory (65 tokens per image, 4 heads, batch 32 per device), as in real runs.
@@ -240,8 +233,8 @@ MEMORY_MODEL = {
 
 def compiled_step_memory(model, n_devices: int, per_device_batch: int, *, fsdp: bool):
     """XLA's memory analysis of the AdamW train step for `n_devices`, compiled from abstract inputs."""
-    mesh, setup = create_mesh(jax.devices()[:n_devices]), plan.StepSetup(model.config, fsdp=fsdp)
-    return plan.compile_train_step(setup, mesh, per_device_batch).memory_analysis()
+    step = build_step(StepSpec(model.config, fsdp=fsdp), create_mesh(jax.devices()[:n_devices]))
+    return step.compile(per_device_batch).memory_analysis()
 
 
 def test_fsdp_memory_per_device_does_not_grow_with_the_device_count():

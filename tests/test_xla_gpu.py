@@ -13,7 +13,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding
@@ -24,9 +23,9 @@ from clip_jax import xla_gpu
 from clip_jax.config import default_config
 from clip_jax.hardware import GPUS, get_gpu
 from clip_jax.models import create_model, get_model_config, init_params, list_models, param_shapes
-from clip_jax.optim import create_optimizer
 from clip_jax.parallel import create_mesh, state_shardings
-from clip_jax.train_step import init_train_state, make_train_step
+from clip_jax.step_factory import StepSpec, build_step, mesh_for
+from clip_jax.train_step import init_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -73,17 +72,16 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     topology = topologies.get_topology_desc(platform="cuda", target_config=GPUS["a100-40gb"].target_config(),
                                             topology="1x2x4")
     mesh = create_mesh(topology.devices)
-    model = create_model(str(model_file), dtype=jnp.bfloat16, remat_policy="nothing_saveable",
-                         attention_impl="cudnn")
-    optimizer = create_optimizer(optax.constant_schedule(1e-3))
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    # The step function itself from the factory; its devices, state layout, batch and compile options by hand.
+    built = build_step(StepSpec(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True), mesh)
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(built.model, rng), built.optimizer),
+                            jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=True)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     batch_sharding = NamedSharding(mesh, P("data"))
     batch = {"images": jax.ShapeDtypeStruct((32, 32, 32, 3), jnp.float32, sharding=batch_sharding),
              "tokens": jax.ShapeDtypeStruct((32, 16), jnp.int32, sharding=batch_sharding)}
-    step = make_train_step(model, optimizer, optax.constant_schedule(1e-3), mesh, shardings)
-    direct = step.lower(state, batch).compile(
+    direct = built.update.lower(state, batch).compile(
         compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}).memory_analysis()
     assert memory["argument_bytes"] == direct.argument_size_in_bytes
     assert memory["temp_bytes"] == direct.temp_size_in_bytes
@@ -130,7 +128,7 @@ def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forw
 
 
 def param_bytes(setup, dtype_bytes: int) -> int:
-    shapes = param_shapes(planner._model(setup))
+    shapes = param_shapes(create_model(setup.model))
     return dtype_bytes * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
@@ -138,8 +136,7 @@ def test_fsdp_gradients_are_reduce_scattered_and_a_replicas_all_reduced():
     """On 8 GPUs, bf16: FSDP sends each weight's gradient through a reduce-scatter (about the bf16 size of the
     model per step) and all-reduces next to nothing; a replica all-reduces the whole gradient."""
     mesh = create_mesh(gpu_devices("a100-40gb", 1, 8))
-    fsdp = planner.StepSetup(get_model_config("ViT-B-32"), "bf16", "nothing_saveable", fsdp=True,
-                             attention_impl="cudnn")
+    fsdp = StepSpec("ViT-B-32", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
     weights = param_bytes(fsdp, 2)
     sharded = xla_gpu.collectives(planner.compile_train_step(fsdp, mesh, 4).as_text())
     assert 0.8 * weights <= sharded.bytes["reduce-scatter"] <= 1.05 * weights
@@ -147,7 +144,7 @@ def test_fsdp_gradients_are_reduce_scattered_and_a_replicas_all_reduced():
     # Every split weight is gathered twice (forward, and again where remat recomputes the forward).
     assert 1.6 * weights <= sharded.bytes["all-gather"] <= 2.1 * weights
 
-    replica = planner.StepSetup(fsdp.model, "bf16", "nothing_saveable", attention_impl="cudnn")
+    replica = dataclasses.replace(fsdp, fsdp=False)
     plain = xla_gpu.collectives(planner.compile_train_step(replica, mesh, 4).as_text())
     assert 0.98 * weights <= plain.bytes["all-reduce"] <= 1.05 * weights
     assert plain.bytes["reduce-scatter"] < 0.01 * weights  # the loss's feature gradients only
@@ -158,9 +155,8 @@ def test_fsdp_state_of_vit_l_14_shrinks_about_n_fold_on_384_gpus():
     3 x 128 grid, the rest 384 ways, so the state per device shrinks more than 128-fold (it stayed at 2.55 GiB, a
     1.9-fold shrink, when those kernels were kept whole); the step compiles and all-reduces next to nothing."""
     devices = gpu_devices("a100-40gb", 96, 4)
-    fsdp = planner.StepSetup(get_model_config("ViT-L-14"), "bf16", "nothing_saveable", fsdp=True,
-                             attention_impl="cudnn")
-    grid = create_mesh(devices, fsdp_params=param_shapes(planner._model(fsdp)))
+    fsdp = StepSpec("ViT-L-14", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
+    grid = mesh_for(fsdp, devices)
     assert dict(grid.shape) == {"replica": 3, "data": 128}
     replica = planner.state_bytes_per_device(dataclasses.replace(fsdp, fsdp=False), create_mesh(devices))
     sharded = planner.state_bytes_per_device(fsdp, grid)

@@ -1,0 +1,117 @@
+"""Where a run starts, decided before anything is built: its directory, the checkpoint it continues (if any), that
+checkpoint's record, and how the data iterators begin (`RunStart`, from `plan_run_start`).
+
+Everything here reads files and the config only (no devices, no Orbax manager), so a refused resume costs nothing
+and writes nothing. On another data layout (process count, data workers per process) the data position cannot be
+restored: `--config.resume_data=allow_reseed` then restores the train state only and reads on with new data
+iterators (see `data_resume_plan`).
+"""
+
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+
+from clip_jax.checkpoint import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta, resolve_resume,
+                                 saved_process_count)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataResume:
+    """How a resumed run gets its data: the saved iterator position (`restore`) and the seed to build with."""
+
+    restore: bool
+    seed: int
+    note: str = ""  # what the user gets, when the position is not restored
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """A run's starting point. `resume_from` is (checkpoints directory, step), None for a fresh start."""
+
+    run_dir: str
+    resume_from: tuple[str, int] | None
+    meta: CheckpointMeta | None  # the record saved with that checkpoint
+    data: DataResume
+    notes: tuple[str, ...] = ()  # what the user is told before training
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+
+def plan_run_start(config, *, process_count: int) -> RunStart:
+    """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
+    `CheckpointNotFoundError`) naming the way out when the run cannot start as configured."""
+    run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if not config.resume:
+        if latest_complete_step(checkpoints) is not None:
+            raise ValueError(f"run directory {run_dir} already has checkpoints: continue it with "
+                             "--config.resume=latest, or start another run with --config.name=...")
+        return RunStart(run_dir, None, None, DataResume(False, config.seed))
+    directory, step = resolve_resume(config.resume, run_dir)
+    if step is None:  # resume=latest with no checkpoint yet
+        return RunStart(run_dir, None, None, DataResume(False, config.seed),
+                        (f"no checkpoint in {run_dir} yet: starting fresh",))
+    meta = read_meta(directory, step)
+    data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(directory, step)),
+                            where=f"{directory}/{step}", step=step, process_count=process_count)
+    return RunStart(run_dir, (directory, step), meta, data, (data.note,) if data.note else ())
+
+
+def run_name(config) -> str:
+    if config.name:
+        return config.name
+    if config.resume == "latest":
+        raise ValueError("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
+    # One timestamp for all processes: process 0's.
+    stamp = int(time.time()) if jax.process_count() == 1 else int(
+        jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
+    model = os.path.basename(config.model).removesuffix(".json")
+    return f"{model}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}"
+
+
+def reseeded_data_seed(seed: int, step: int) -> int:
+    """The data seed of a run resumed at `step` without its data position: a pure function of (seed, step), so all
+    processes agree and resuming the same step twice reads the same data; unlike `seed` itself it does not replay
+    the samples the run started with."""
+    return int(np.random.SeedSequence([seed, 0xDA7A, step]).generate_state(1)[0])
+
+
+def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int | None, *, where: str, step: int,
+                     process_count: int) -> DataResume:
+    """Restore the data position when the checkpoint's data layout (processes x data workers) is this run's.
+
+    Otherwise the position cannot be carried (each process and worker saved its own place in its own shard order):
+    with `resume_data="exact"` that is a ValueError naming the way out; with `"allow_reseed"` the train state alone
+    is restored and new iterators are seeded with `reseeded_data_seed(seed, step)`. In resampled mode they draw
+    fresh shards, statistically the same as continuing; in epoch mode they start a new pass over all shards, in a
+    new order, at this step (the trainer's epoch count goes on by steps, so samples already read in the interrupted
+    epoch may come again before it ends, and some others not at all in it).
+    """
+    saved_workers = meta.data_workers if meta is not None else None  # None: predates the field, not checked
+    if (saved_processes in (None, process_count)
+            and (saved_workers is None or int(saved_workers) == config.workers)):
+        saved_seed = meta.data_seed if meta is not None else None
+        return DataResume(True, int(config.seed if saved_seed is None else saved_seed))
+
+    def layout(processes, workers):
+        text = f"{processes} process" + ("" if processes == 1 else "es")
+        return text + (f" x {workers} data workers" if saved_workers is not None else "")
+
+    saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
+    if config.resume_data != "allow_reseed":
+        raise ValueError(
+            f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
+            "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
+            "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "
+            "data iterators (no replay of the run's first samples)")
+    seed = reseeded_data_seed(config.seed, step)
+    what = ("fresh shard draws" if config.dataset_resampled else
+            "a new pass over all shards in a new order starts at this step")
+    note = (f"data position not restored: checkpoint {where} was saved by {saved}, this run has {here}; "
+            f"new data iterators with seed {seed} (from seed {config.seed} and step {step}): {what}")
+    return DataResume(False, seed, note)

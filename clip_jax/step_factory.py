@@ -1,0 +1,200 @@
+"""One way to build a train step: a `StepSpec` says what decides the compiled step, `build_step` builds it on a
+mesh, and the trainer, the planner, the benchmarks and the tests all run what it returns.
+
+    spec = StepSpec.from_config(config, platform="gpu", total_steps=schedule.total_steps)
+    mesh = mesh_for(spec)                     # 1-D over every device, or the FSDP grid when the weights need one
+    step = build_step(spec, mesh)
+    state = step.init(seed=0)                 # or step.state_from_params(params)
+    state, metrics = step(state, global_batch)
+    compiled = step.compile(per_device_batch=64)  # ahead of time from abstract inputs (XLA:GPU on GPU meshes)
+
+A spec is a frozen, hashable value: the planner keys its compiles on it and varies one field at a time with
+`dataclasses.replace`. The step function itself (`clip_jax.train_step.make_train_step`) stays pure; this module
+only assembles its parts: the model under the precision policy, remat and attention kernel; the optimizer and its
+learning-rate schedule; the train state's shapes and shardings (FSDP or replicated, said here explicitly, never
+guessed back from shardings).
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from clip_jax import xla_gpu
+from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
+from clip_jax.models.layers import choose_attention_impl
+from clip_jax.optim import create_optimizer, warmup_cosine_schedule
+from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
+from clip_jax.precision import get_policy
+from clip_jax.train_step import TrainState, init_train_state, make_forward, make_train_step
+
+OPTIMIZERS = ("adamw", "sgd")  # sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
+LOSSES = ("clip",)  # OpenCLIP's contrastive softmax loss over the global batch (clip_jax.loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer and its learning-rate schedule. Without `total_steps` the rate is constant: enough to compile
+    a step (the schedule's state is one counter either way)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    warmup: int = 0
+    total_steps: int | None = None
+    weight_decay: float = 0.2
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-6
+    grad_clip_norm: float | None = None  # None: no clipping
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r}: choose one of {OPTIMIZERS}")
+
+    def learning_rate_fn(self) -> Callable:
+        if self.total_steps is None:
+            return optax.constant_schedule(self.lr)
+        return warmup_cosine_schedule(self.lr, self.warmup, self.total_steps)
+
+    def create(self, learning_rate_fn: Callable) -> optax.GradientTransformation:
+        if self.name == "sgd":
+            return optax.sgd(learning_rate_fn)
+        return create_optimizer(learning_rate_fn, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
+                                eps=self.eps, grad_clip_norm=self.grad_clip_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What decides the compiled train step, besides the batch and the mesh. `model` may be given as anything
+    `get_model_config` takes (a registered name, an OpenCLIP config dict or .json path); it is kept resolved."""
+
+    model: CLIPConfig
+    precision: str = "fp32"
+    remat_policy: str = "none"  # applied to every residual block; "none": keep all activations
+    attention_impl: str = "xla"  # the kernel, as chosen: "xla" or "cudnn" (see `choose_attention_impl`)
+    fsdp: bool = False  # params and optimizer state split over the devices (ZeRO-3), else replicated
+    loss: str = "clip"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    accum_steps: int = 1  # micro-batches per step, the loss still over the whole batch (OpenCLIP's accum_freq)
+
+    def __post_init__(self):
+        if not isinstance(self.model, CLIPConfig):
+            object.__setattr__(self, "model", get_model_config(self._model_source()))
+        get_policy(self.precision)  # fails on a bad name
+        if self.attention_impl not in ("xla", "cudnn"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
+                             "(resolve 'auto' with choose_attention_impl)")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r}: choose one of {LOSSES}")
+        if self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {self.accum_steps}")
+
+    def _model_source(self):
+        # A dict is not hashable, so a spec keeps the resolved CLIPConfig; a Mapping is read once, here.
+        return dict(self.model) if isinstance(self.model, Mapping) else self.model
+
+    @classmethod
+    def from_config(cls, config, *, platform: str, total_steps: int | None = None,
+                    precision: str | None = None) -> "StepSpec":
+        """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
+        "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
+        precision = precision or config.precision
+        optimizer = OptimizerSpec(lr=config.lr, warmup=config.warmup, total_steps=total_steps,
+                                  weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
+                                  grad_clip_norm=config.grad_clip_norm or None)
+        return cls(get_model_config(config.model), precision,
+                   config.remat_policy if config.grad_checkpointing else "none",
+                   choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
+                   fsdp=bool(config.fsdp), optimizer=optimizer, accum_steps=config.accum_freq)
+
+    def create_model(self):
+        policy = get_policy(self.precision)
+        return create_model(self.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                            remat_policy=self.remat_policy, attention_impl=self.attention_impl)
+
+    def describe(self) -> str:
+        return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
+                f"attention {self.attention_impl}")
+
+
+def mesh_for(spec: StepSpec, devices=None) -> Mesh:
+    """The mesh `spec` trains on over `devices` (default: every device of every process): 1-D, or under FSDP a
+    (replica, data) grid when the device count divides no dimension of some large weight (`create_mesh`)."""
+    return create_mesh(devices, fsdp_params=param_shapes(create_model(spec.model)) if spec.fsdp else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A `StepSpec` built on a mesh: call it as `step(state, batch) -> (state, metrics)` (the jitted update; the
+    old state is donated)."""
+
+    spec: StepSpec
+    mesh: Mesh
+    model: Any
+    optimizer: optax.GradientTransformation
+    learning_rate_fn: Callable
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings: nothing allocated
+    update: Callable
+
+    @property
+    def shardings(self) -> TrainState:
+        return jax.tree.map(lambda s: s.sharding, self.abstract_state)
+
+    def __call__(self, state: TrainState, batch: dict):
+        return self.update(state, batch)
+
+    def init(self, seed: int | jax.Array) -> TrainState:
+        """A fresh train state, initialised directly in its shardings: no device ever holds more than its part."""
+        rng = jax.random.key(seed) if isinstance(seed, int) else seed
+        init = lambda rng: init_train_state(init_params(self.model, rng), self.optimizer)  # noqa: E731
+        return jax.jit(init, out_shardings=self.shardings)(rng)
+
+    def state_from_params(self, params) -> TrainState:
+        """The train state of existing weights (fresh optimizer state, step 0), laid out on the mesh."""
+        init = lambda params: init_train_state(params, self.optimizer)  # noqa: E731
+        return jax.jit(init, out_shardings=self.shardings)(params)
+
+    def abstract_batch(self, per_device_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch as the data pipeline delivers it, split over the mesh."""
+        config = self.spec.model
+        size, rows = config.vision.image_size, per_device_batch * data_parallel_size(self.mesh)
+        sharding = batch_sharding(self.mesh)
+        return {"images": jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=sharding),
+                "tokens": jax.ShapeDtypeStruct((rows, config.text.context_length), jnp.int32, sharding=sharding)}
+
+    def compile(self, per_device_batch: int):
+        """The step compiled from abstract inputs (by XLA:GPU when the mesh's devices are compile-only GPUs)."""
+        return _compile(self.update.lower(self.abstract_state, self.abstract_batch(per_device_batch)), self.mesh)
+
+    def forward(self) -> Callable:
+        """`forward(params, batch) -> (image_features, text_features, logit_scale)` as the step runs it."""
+        return make_forward(self.model, self.mesh, fsdp=self.spec.fsdp)
+
+    def compile_forward(self, per_device_batch: int):
+        """Both towers' forward pass as the step runs it (what a forward's FLOPs are counted on), compiled."""
+        lowered = jax.jit(self.forward()).lower(self.abstract_state.params, self.abstract_batch(per_device_batch))
+        return _compile(lowered, self.mesh)
+
+
+def _compile(lowered, mesh: Mesh):
+    if mesh.devices.flat[0].platform == "gpu":
+        return xla_gpu.compile_lowered(lowered)
+    return lowered.compile()
+
+
+def build_step(spec: StepSpec, mesh: Mesh) -> Step:
+    """The model, optimizer, train-state layout and jitted step of `spec` on `mesh`."""
+    model = spec.create_model()
+    learning_rate_fn = spec.optimizer.learning_rate_fn()
+    optimizer = spec.optimizer.create(learning_rate_fn)
+    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
+    abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                  shapes, shardings)
+    update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
+                             accum_steps=spec.accum_steps)
+    return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -1,0 +1,60 @@
+"""The step loop's bookkeeping between the devices and the log: the dispatched step not read yet, and the metrics
+window since the last log line (its steps, wall time and time spent waiting for data).
+
+The host reads a step's loss only after dispatching the next one, so the devices never wait for the host between
+steps; at a log, save, evaluation or stop step the reads catch up first (`catch_up`), so nothing is logged or saved
+unchecked. Reading a step may roll the run back; the unread step and the window then belong to the abandoned
+trajectory and are dropped, here and nowhere else.
+"""
+
+import time
+from collections.abc import Callable
+
+from clip_jax.metrics import TrainMetrics
+
+
+class StepReads:
+    """`read(step, metrics) -> bool` checks one step's metrics (and returns True when it rolled the run back)."""
+
+    def __init__(self, read: Callable[[int, dict], bool]):
+        self._read = read
+        self._unread: tuple[int, dict] | None = None
+        self.window: TrainMetrics | None = None  # merged over the finite steps read since the last log line
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """A new timing window: after the first step's compilation (which is not training speed) and each log."""
+        self.steps, self.data_wait, self.started = 0, 0.0, time.perf_counter()
+
+    def count_step(self, data_wait: float) -> None:
+        """One more step dispatched in this window, after waiting `data_wait` seconds for its batch."""
+        self.steps += 1
+        self.data_wait += data_wait
+
+    def dispatched(self, step: int, metrics: dict) -> bool:
+        """Step `step` is on the devices: reads the step before it. True when that read rolled back; the step just
+        dispatched is then dropped with it."""
+        if self.catch_up():
+            return True
+        self._unread = (step, metrics)
+        return False
+
+    def catch_up(self) -> bool:
+        """Reads the unread step, if there is one. True when it rolled back."""
+        if self._unread is None:
+            return False
+        (step, metrics), self._unread = self._unread, None
+        if self._read(step, metrics):
+            self.window = None
+            return True
+        if bool(metrics["finite"]):  # a skipped step's loss would only turn the window's averages into NaN
+            update = TrainMetrics.single_from_model_output(**metrics)
+            self.window = update if self.window is None else self.window.merge(update)
+        return False
+
+    def take_window(self) -> tuple[TrainMetrics | None, int, float, float]:
+        """(metrics, steps, seconds, seconds waiting for data) of the window, and a new one begins."""
+        taken = (self.window, self.steps, time.perf_counter() - self.started, self.data_wait)
+        self.window = None
+        self.restart_clock()
+        return taken
