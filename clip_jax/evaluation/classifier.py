@@ -42,15 +42,14 @@ def _class_embeddings(features, num_classes, num_templates):
     return l2_normalize(jnp.mean(features, axis=1))  # [num_classes, E]
 
 
-def check_prompts(prompts: Sequence[Sequence[str]]) -> int:
-    """The number of prompts per class, T, of `prompts` [C][T]; refuses no classes or classes with different T."""
+def check_prompts(prompts: Sequence[Sequence[str]]) -> None:
+    """Refuses `prompts` [C][T] with no classes, or with classes of different (or no) numbers of prompts."""
     if not prompts:
         raise ValueError("no classes to build a zero-shot classifier for")
     num_templates = len(prompts[0])
     if num_templates == 0 or any(len(p) != num_templates for p in prompts):
         raise ValueError("every class needs the same, non-zero number of prompts; got "
                          f"{sorted({len(p) for p in prompts})}")
-    return num_templates
 
 
 def prompt_tokens(model, prompts: Sequence[Sequence[str]]) -> np.ndarray:
