@@ -6,7 +6,7 @@
 Generates an ImageNet-like folder (JPEGs of 400-500 x 300-375 px, quality 90) and random weights (OpenCLIP's
 init, converted). OpenCLIP's side is its ImageNet eval: `torchvision.datasets.ImageFolder` with OpenCLIP's eval
 transform, a `DataLoader` with `--workers` worker processes, and the loop of `open_clip_train.zero_shot.run`
-(image features, `100 * features @ classifier`, top-k). clip_jax's side is `evaluate_zeroshot` with `--workers`
+(image features, `100 * features @ classifier`, top-k). clip_jax's side is a `ZeroShotEvaluator` with `--workers`
 decoding threads over all JAX devices. Both classifiers are built from the same prompts, and both loops must agree on
 top-1/top-5. OpenCLIP runs first, before JAX starts its threads (its DataLoader forks). Each side runs once on
 one batch to warm up (worker start, JIT compilation), then is timed over the whole folder. Prints a table and
@@ -30,7 +30,7 @@ from PIL import Image
 
 from clip_jax.convert import from_open_clip
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
-from clip_jax.evaluation import build_zeroshot_classifier, evaluate_zeroshot, image_folder_set, templates
+from clip_jax.evaluation import ZeroShotEvaluator, image_folder_set, templates
 from clip_jax.models import create_model
 from clip_jax.parallel import create_mesh
 
@@ -116,17 +116,17 @@ def main() -> None:
         if batch_size % mesh.size:
             raise SystemExit(f"--batch-size {batch_size} must be a multiple of the {mesh.size} devices")
         dataset = image_folder_set(str(root), templates=templates("simple_imagenet"))
+        evaluator = ZeroShotEvaluator(model, dataset, mesh, batch_size=batch_size, num_threads=args.workers)
         start = time.perf_counter()
-        classifier = build_zeroshot_classifier(model, params, dataset.prompts, mesh)
+        classifier = evaluator.classifier(params)
         classifier_s = time.perf_counter() - start
         classifier_diff = float(np.max(np.abs(classifier - torch_classifier.numpy())))
         start = time.perf_counter()  # warm-up on one batch: JIT compilation
-        evaluate_zeroshot(model, params, dataset.head(batch_size), mesh, batch_size=batch_size,
-                          classifier=classifier, num_threads=args.workers)
+        ZeroShotEvaluator(model, dataset.head(batch_size), mesh, batch_size=batch_size,
+                          num_threads=args.workers)(params, classifier=classifier)
         warmup_s = time.perf_counter() - start
         start = time.perf_counter()
-        ours = evaluate_zeroshot(model, params, dataset, mesh, batch_size=batch_size, classifier=classifier,
-                                 num_threads=args.workers)
+        ours = evaluator(params, classifier=classifier)
         ours_s = time.perf_counter() - start
 
     agree = (ours["top1"], ours["top5"]) == (top1, top5)

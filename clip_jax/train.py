@@ -8,6 +8,7 @@ resumes is decided before anything is built: `clip_jax.run_setup`).
 """
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -363,9 +364,10 @@ class Trainer:
         per_epoch = self.step % self.schedule.steps_per_epoch == 0
         return per_epoch and (self.step // self.schedule.steps_per_epoch) % c.zeroshot_frequency == 0
 
-    def zeroshot(self) -> dict:
-        from clip_jax.evaluation.classification import evaluate_zeroshot
-        from clip_jax.evaluation.datasets import open_classification_set
+    @functools.cached_property
+    def zeroshot_evaluator(self):
+        """Built at the first evaluation and kept: the set, its prompt tokens and the compiled towers are reused."""
+        from clip_jax.evaluation import ZeroShotEvaluator, open_classification_set
 
         c = self.config
         kind, location = ("demo", None) if c.zeroshot_data == "demo" else ("imagenet-val", c.zeroshot_data)
@@ -373,12 +375,15 @@ class Trainer:
         if c.zeroshot_samples:
             dataset = dataset.head(c.zeroshot_samples)
         # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
-        model = create_model(c.model)
         batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
-        metrics = evaluate_zeroshot(model, self.state.params, dataset, self.mesh, batch_size=batch,
-                                    mean=tuple(c.image_mean), std=tuple(c.image_std))
+        return ZeroShotEvaluator(create_model(c.model), dataset, self.mesh, batch_size=batch,
+                                 mean=tuple(c.image_mean), std=tuple(c.image_std))
+
+    def zeroshot(self) -> dict:
+        evaluator = self.zeroshot_evaluator
+        metrics = evaluator(self.state.params)
         result = {f"zeroshot_{k}": float(v) for k, v in metrics.items() if k.startswith("top")}
-        self._say(f"zero-shot on {dataset.name} at step {self.step}: " +
+        self._say(f"zero-shot on {evaluator.dataset.name} at step {self.step}: " +
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
 

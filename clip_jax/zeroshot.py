@@ -22,14 +22,14 @@ import numpy as np
 from clip_jax.checkpoint import read_params
 from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
-from clip_jax.data.eval_sets import load_retrieval_set
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import prompts as prompts_lib
-from clip_jax.evaluation.classification import evaluate_zeroshot
-from clip_jax.evaluation.classifier import build_zeroshot_classifier, check_vocabulary
+from clip_jax.evaluation.classification import ZeroShotEvaluator
+from clip_jax.evaluation.classifier import check_vocabulary
 from clip_jax.evaluation.datasets import ClassificationSet, open_classification_set
+from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
-from clip_jax.evaluation.sharded import replicate
+from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.models import create_model, init_params
 from clip_jax.parallel import create_mesh
 
@@ -109,22 +109,23 @@ def run(args) -> dict:
     step = math.lcm(mesh.size, jax.process_count())
     batch_size = -(-args.batch_size // step) * step
     progress = not args.no_progress
-    options = {"mean": tuple(args.mean), "std": tuple(args.std), "progress": progress}
     results = {}
     for dataset in datasets:
+        evaluator = ZeroShotEvaluator(model, dataset, mesh, batch_size=batch_size, mean=args.mean, std=args.std,
+                                      num_threads=args.workers)
         start = time.perf_counter()
-        classifier = build_zeroshot_classifier(model, params, dataset.prompts, mesh, progress=progress)
+        classifier = evaluator.classifier(params, progress=progress)
         classifier_s = time.perf_counter() - start
         start = time.perf_counter()
-        metrics = evaluate_zeroshot(model, params, dataset, mesh, batch_size=batch_size, classifier=classifier,
-                                    num_threads=args.workers, **options)
+        metrics = evaluator(params, classifier=classifier, progress=progress)
         seconds = time.perf_counter() - start
         results[dataset.name] = {**metrics, "num_classes": len(dataset.class_names),
                                  "num_templates": len(dataset.prompts[0]), "classifier_seconds": classifier_s,
                                  "seconds": seconds, "images_per_s": metrics["num_images"] / seconds}
     if retrieval_set is not None:
         start = time.perf_counter()
-        metrics = evaluate_retrieval(model, params, retrieval_set, mesh, batch_size=batch_size, **options)
+        metrics = evaluate_retrieval(model, params, retrieval_set, mesh, batch_size=batch_size, mean=tuple(args.mean),
+                                     std=tuple(args.std), progress=progress)
         results[f"retrieval:{args.retrieval}"] = {**metrics, "seconds": time.perf_counter() - start}
     return {"model": args.model, "checkpoint": args.checkpoint, "num_devices": mesh.size,
             "compute_dtype": args.compute_dtype, "batch_size": batch_size, "results": results}

@@ -12,9 +12,8 @@ import torch
 from PIL import Image
 
 from clip_jax import convert, zeroshot
-from clip_jax.data.eval_sets import load_retrieval_set
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
-from clip_jax.evaluation import evaluate_retrieval, retrieval_recall
+from clip_jax.evaluation import evaluate_retrieval, load_retrieval_set, retrieval_recall
 from clip_jax.evaluation.retrieval import first_images
 from clip_jax.models import create_model
 from clip_jax.parallel import create_mesh

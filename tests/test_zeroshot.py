@@ -20,6 +20,7 @@ from clip_jax import convert, zeroshot
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import (
     ClassificationSet,
+    ZeroShotEvaluator,
     build_zeroshot_classifier,
     evaluate_zeroshot,
     image_folder_set,
@@ -30,7 +31,7 @@ from clip_jax.evaluation import (
     templates,
     zeroshot_logits,
 )
-from clip_jax.evaluation.datasets import ArraySource
+from clip_jax.evaluation.sources import ArraySource
 from clip_jax.evaluation.prompts import class_prompts
 from clip_jax.models import create_model
 from clip_jax.parallel import create_mesh
@@ -220,7 +221,7 @@ def test_accuracy_counts_every_image_once_with_padding_and_small_class_counts(me
     assert set(metrics) == {"top1", "num_images"}  # top-5 of 4 classes is not reported
     assert metrics["num_images"] == 37
 
-    from clip_jax.evaluation.datasets import eval_image
+    from clip_jax.evaluation.batches import eval_image
     from clip_jax.data.transforms import normalize
 
     batch = normalize(np.stack([eval_image(x, 32) for x in images]), OPENAI_MEAN, OPENAI_STD)
@@ -229,6 +230,16 @@ def test_accuracy_counts_every_image_once_with_padding_and_small_class_counts(me
     classifier = build_zeroshot_classifier(model, params, dataset.prompts, mesh, text_batch_size=200)
     predicted = np.argmax(features @ classifier, axis=1)
     assert metrics["top1"] == np.mean(predicted == labels)
+
+
+def test_an_evaluator_built_once_gives_each_params_their_own_result(mesh, model):
+    """The trainer keeps one evaluator for the whole run: called with new params, it answers as a fresh one would."""
+    dataset = open_classification_set("demo").head(40)
+    evaluator = ZeroShotEvaluator(model, dataset, mesh, batch_size=16, num_threads=2, text_batch_size=200)
+    for seed in (6, 7):
+        params = _random_params(seed)
+        assert evaluator(params) == evaluate_zeroshot(model, params, dataset, mesh, batch_size=16, num_threads=2,
+                                                      text_batch_size=200)
 
 
 _WORKER = r"""

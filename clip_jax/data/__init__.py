@@ -1,4 +1,4 @@
-"""Input pipeline: Grain over LAION-style webdataset tar shards, plus the demo dataset and eval sets.
+"""Input pipeline: Grain over LAION-style webdataset tar shards, plus the demo dataset.
 
 Training (one call per process)::
 
@@ -21,14 +21,13 @@ to the model with ``ocp.args.Composite(..., data_iter=grain.checkpoint.Checkpoin
 script needs the usual ``if __name__ == "__main__":`` guard); call ``it.close()`` when done.
 
 Demo data: ``make_shards.fashion_mnist_shards(folder, "train")`` writes (once) and returns the pattern of
-Fashion-MNIST shards; ``fashion_mnist.CLASS_NAMES`` / ``fashion_mnist.zeroshot_prompts`` and
-``eval_sets.FashionMNISTSource("test")`` serve its zero-shot evaluation.
+Fashion-MNIST shards; ``fashion_mnist.CLASS_NAMES`` / ``fashion_mnist.zeroshot_prompts`` serve its zero-shot
+evaluation (``clip_jax.evaluation.demo_set``). Eval sources and batches live in ``clip_jax.evaluation``.
 
 Modules: ``shards`` (patterns, weights, draw order), ``tar_format`` (streaming tar reader), ``webdataset`` (raw
 samples from shards, skip reasons), ``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the
-Grain pipeline), ``eval_sets`` (image folders, TFDS sources, retrieval shards), ``fashion_mnist`` (the demo
-dataset, its class names and prompts). Tools: ``python -m clip_jax.data.make_shards``, ``python -m
-clip_jax.data.check``.
+Grain pipeline), ``fashion_mnist`` (the demo dataset, its class names and prompts). Tools: ``python -m
+clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 
 from clip_jax.data.pipeline import (

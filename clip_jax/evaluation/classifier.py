@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from clip_jax.evaluation.sharded import encode_text_rows, replicate, round_up, shard_rows
+from clip_jax.evaluation.batches import pad_rows
+from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.models import l2_normalize
 from clip_jax.tokenizer import VOCAB_SIZE, tokenize
 
@@ -41,26 +42,34 @@ def _class_embeddings(features, num_classes, num_templates):
     return l2_normalize(jnp.mean(features, axis=1))  # [num_classes, E]
 
 
-def build_zeroshot_classifier(model, params, prompts: Sequence[Sequence[str]], mesh: Mesh, *,
-                              text_batch_size: int = 1024, progress: bool = False) -> np.ndarray:
-    """The classifier float32 [E, C] for `prompts` [C][T] (T prompts per class, the same T for every class).
-
-    Each step encodes the prompts of as many whole classes as fit in `text_batch_size` rows (at least one class;
-    rows rounded up to a multiple of the mesh size), split over the mesh. Every step has the same shape (the last
-    is padded), so the text tower compiles once per dataset.
-    """
+def check_prompts(prompts: Sequence[Sequence[str]]) -> None:
+    """Refuses `prompts` [C][T] with no classes, or with classes of different (or no) numbers of prompts."""
     if not prompts:
         raise ValueError("no classes to build a zero-shot classifier for")
     num_templates = len(prompts[0])
     if num_templates == 0 or any(len(p) != num_templates for p in prompts):
         raise ValueError("every class needs the same, non-zero number of prompts; got "
                          f"{sorted({len(p) for p in prompts})}")
-    num_classes = len(prompts)
-    params = replicate(params, mesh)
-    classes_per_batch = min(num_classes, max(1, text_batch_size // num_templates))
-    rows = round_up(classes_per_batch * num_templates, mesh.size)
-    tokens = tokenize_for(model, [text for class_prompts in prompts for text in class_prompts])  # [C * T, L]
 
+
+def prompt_tokens(model, prompts: Sequence[Sequence[str]]) -> np.ndarray:
+    """Token ids int32 [C * T, L] of `prompts` [C][T], class by class: the classifier's input, the same for any
+    params."""
+    check_prompts(prompts)
+    return tokenize_for(model, [text for class_prompts in prompts for text in class_prompts])
+
+
+def classifier_from_tokens(encoder: ShardedEncoder, params, tokens: np.ndarray, num_templates: int, *,
+                           text_batch_size: int = 1024, progress: bool = False) -> np.ndarray:
+    """The classifier float32 [E, C] from `prompt_tokens` [C * T, L], with `params` placed by `encoder.place`.
+
+    Each step encodes the prompts of as many whole classes as fit in `text_batch_size` rows (at least one class;
+    rows rounded up to a multiple of the mesh size), split over the mesh. Every step has the same shape (the last
+    is padded), so the text tower compiles once per dataset.
+    """
+    num_classes = len(tokens) // num_templates
+    classes_per_batch = min(num_classes, max(1, text_batch_size // num_templates))
+    rows = round_up(classes_per_batch * num_templates, encoder.mesh.size)
     starts = range(0, num_classes, classes_per_batch)
     if progress and jax.process_index() == 0:
         import tqdm
@@ -68,12 +77,20 @@ def build_zeroshot_classifier(model, params, prompts: Sequence[Sequence[str]], m
         starts = tqdm.tqdm(starts, desc="classifier", unit="class", unit_scale=classes_per_batch)
     embeddings = []
     for start in starts:
-        batch = tokens[start * num_templates:(start + classes_per_batch) * num_templates]
-        batch = np.concatenate([batch, np.zeros((rows - len(batch), batch.shape[1]), batch.dtype)])
-        features = encode_text_rows(model, mesh, params, shard_rows(batch, mesh))  # [rows, E], replicated
+        batch = pad_rows(tokens[start * num_templates:(start + classes_per_batch) * num_templates], rows)
+        features = encoder.text_features(params, batch)  # [rows, E], replicated
         embeddings.append(_class_embeddings(features, classes_per_batch, num_templates))  # [classes_per_batch, E]
     embeddings = np.concatenate([np.asarray(e) for e in embeddings])[:num_classes]  # [C, E]
     return np.ascontiguousarray(embeddings.T)
+
+
+def build_zeroshot_classifier(model, params, prompts: Sequence[Sequence[str]], mesh: Mesh, *,
+                              text_batch_size: int = 1024, progress: bool = False) -> np.ndarray:
+    """The classifier float32 [E, C] for `prompts` [C][T] (T prompts per class, the same T for every class); see
+    `classifier_from_tokens` for how the prompts are batched."""
+    encoder = ShardedEncoder(model, mesh)
+    return classifier_from_tokens(encoder, encoder.place(params), prompt_tokens(model, prompts), len(prompts[0]),
+                                  text_batch_size=text_batch_size, progress=progress)
 
 
 def zeroshot_logits(image_features, classifier):

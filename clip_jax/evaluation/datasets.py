@@ -13,12 +13,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
-from clip_jax.data import fashion_mnist, transforms
-from clip_jax.data.eval_sets import ImageFolderSource, TfdsSource
+from clip_jax.data import fashion_mnist
 from clip_jax.evaluation import prompts as prompts_lib
+from clip_jax.evaluation.sources import ArraySource, ImageFolderSource, TfdsSource
 
 KINDS = ("imagenet-val", "tfds", "demo")
 
@@ -56,31 +53,6 @@ class _Head:
         if not 0 <= index < self.n:
             raise IndexError(index)
         return self.source[index]
-
-
-class ArraySource:
-    """Images held in memory, uint8 [N, H, W] (greyscale) or [N, H, W, 3], with labels [N]."""
-
-    def __init__(self, images: np.ndarray, labels: np.ndarray):
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"image": self.images[index], "label": int(self.labels[index])}
-
-
-def eval_image(image: "bytes | np.ndarray", image_size: int) -> np.ndarray:
-    """OpenCLIP's eval transform of encoded bytes or a uint8 array: RGB, bicubic shortest-side resize, center
-    crop -> uint8 [S, S, 3]."""
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        pil = transforms.decode_rgb(bytes(image))
-    else:
-        pil = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
-    return transforms.eval_crop(pil, image_size)
 
 
 def _class_names(found: Sequence[str], given: Sequence[str] | None, where: str) -> tuple[str, ...]:

@@ -11,11 +11,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from clip_jax.data.eval_sets import RetrievalSet
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.classifier import tokenize_for
+from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.evaluation.metrics import retrieval_recall
-from clip_jax.evaluation.sharded import encode_image_batch, encode_texts, replicate, round_up
+from clip_jax.evaluation.sources import RetrievalSet
 
 
 def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
@@ -26,22 +27,21 @@ def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
     return RetrievalSet(retrieval_set.urls, retrieval_set.captions[:keep], retrieval_set.caption_image[:keep], n)
 
 
-def encode_retrieval_images(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *, batch_size: int,
+def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: RetrievalSet, *, batch_size: int,
                             mean: Sequence[float], std: Sequence[float], progress: bool = False) -> np.ndarray:
-    """Normalised features float32 [N, E] of the set's first `num_images` images."""
+    """Normalised features float32 [N, E] of the set's first `num_images` images, with `params` placed by
+    `encoder.place`."""
     bar = None
     if progress:
         import tqdm
 
         bar = tqdm.tqdm(total=retrieval_set.num_images, desc="retrieval images", unit="img")
-    image_size = model.config.vision.image_size
+    image_size = encoder.model.config.vision.image_size
     features, count = [], 0
     for images in retrieval_set.image_batches(batch_size=batch_size, image_size=image_size, mean=mean, std=std):
         images = images[:retrieval_set.num_images - count]
         real = len(images)
-        if real < batch_size:  # one shape for every step
-            images = np.concatenate([images, np.zeros((batch_size - real, *images.shape[1:]), images.dtype)])
-        features.append(encode_image_batch(model, params, images, mesh)[:real])
+        features.append(encoder.encode_images(params, pad_rows(images, batch_size))[:real])  # one shape every step
         count += real
         if bar is not None:
             bar.update(real)
@@ -63,16 +63,17 @@ def evaluate_retrieval(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *
     number of images) is rounded up to a multiple of the number of devices."""
     batch_size = round_up(min(batch_size, retrieval_set.num_images), mesh.size)
     progress = progress and jax.process_index() == 0
-    params = replicate(params, mesh)
+    encoder = ShardedEncoder(model, mesh)
+    params = encoder.place(params)
     tokens = tokenize_for(model, retrieval_set.captions)
-    image_features = encode_retrieval_images(model, params, retrieval_set, mesh, batch_size=batch_size, mean=mean,
+    image_features = encode_retrieval_images(encoder, params, retrieval_set, batch_size=batch_size, mean=mean,
                                              std=std, progress=progress)
     bar = None
     if progress:
         import tqdm
 
         bar = tqdm.tqdm(total=len(tokens), desc="retrieval captions", unit="caption")
-    text_features = encode_texts(model, params, tokens, mesh, text_batch_size, progress=bar.update if bar else None)
+    text_features = encoder.encode_texts(params, tokens, text_batch_size, progress=bar.update if bar else None)
     if bar is not None:
         bar.close()
     metrics = retrieval_recall(image_features, text_features, retrieval_set.caption_image, ks)

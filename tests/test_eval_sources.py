@@ -1,4 +1,5 @@
-"""Eval sets: image folders, TFDS ArrayRecord sources and retrieval shards, against OpenCLIP's eval transform."""
+"""Eval sources: image folders, TFDS ArrayRecord sources, the demo set and retrieval shards, read into padded
+batches and compared with OpenCLIP's eval transform."""
 
 import dataclasses
 import io
@@ -10,7 +11,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from clip_jax.data import eval_sets
+from clip_jax.evaluation import demo_set, sources
+from clip_jax.evaluation.batches import classification_batches
 
 SIZE = 32
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -38,11 +40,10 @@ def test_image_folder_classes_labels_and_padded_batches(tmp_path):
             image = _photo(40 + 7 * i, 50, seed * 10 + i)
             image.save(tmp_path / name / filename, format=None if not filename.endswith("JPG") else "JPEG")
             paths.append((tmp_path / name / filename, name))
-    source = eval_sets.ImageFolderSource(str(tmp_path))
+    source = sources.ImageFolderSource(str(tmp_path))
     assert source.class_names == ("ant", "cat", "zebra")
     assert len(source) == 5
-    batches = list(eval_sets.classification_batches(source, batch_size=4, image_size=SIZE, mean=MEAN, std=STD,
-                                                    num_threads=2))
+    batches = list(classification_batches(source, batch_size=4, image_size=SIZE, mean=MEAN, std=STD, num_threads=2))
     assert len(batches) == 2
     images = np.concatenate([b["images"] for b in batches])
     labels = np.concatenate([b["labels"] for b in batches])
@@ -57,9 +58,9 @@ def test_image_folder_classes_labels_and_padded_batches(tmp_path):
 
 def test_image_folder_errors_name_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        eval_sets.ImageFolderSource(str(tmp_path / "nope"))
+        sources.ImageFolderSource(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="no class folders"):
-        eval_sets.ImageFolderSource(str(tmp_path))
+        sources.ImageFolderSource(str(tmp_path))
 
 
 def test_tfds_array_record_source_without_tensorflow(tmp_path):
@@ -85,15 +86,15 @@ def test_tfds_array_record_source_without_tensorflow(tmp_path):
                 yield i, {"image": buffer.getvalue(), "label": i % 2}
 
     TinyColors(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
-    source = eval_sets.TfdsSource("tiny_colors", "test", data_dir=str(tmp_path))
+    source = sources.TfdsSource("tiny_colors", "test", data_dir=str(tmp_path))
     assert source.class_names == ("red", "blue") and len(source) == 6
-    (batch,) = list(eval_sets.classification_batches(source, batch_size=8, image_size=SIZE, mean=MEAN, std=STD))
+    (batch,) = list(classification_batches(source, batch_size=8, image_size=SIZE, mean=MEAN, std=STD))
     for image, label in zip(batch["images"][:6], batch["labels"][:6]):
         width = 40  # every image is 36 px high: the eval transform makes it SIZE x SIZE of one colour
         expected = _reference(Image.new("RGB", (width, 36), colors[source.class_names[label]]))
         np.testing.assert_allclose(image, expected, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="tfds build"):
-        eval_sets.TfdsSource("tiny_colors_missing", "test", data_dir=str(tmp_path))
+        sources.TfdsSource("tiny_colors_missing", "test", data_dir=str(tmp_path))
 
 
 def test_retrieval_shards_with_several_captions_per_image(tmp_path):
@@ -111,7 +112,7 @@ def test_retrieval_shards_with_several_captions_per_image(tmp_path):
     with wds.TarWriter(str(tmp_path / "00001.tar"), encoder=False) as sink:
         for i in (2, 3, 4):
             sink.write({"__key__": str(i), "png": encoded[i], "txt": f"image {i}".encode()})
-    retrieval = eval_sets.load_retrieval_set(f"{tmp_path}/{{00000..00001}}.tar")
+    retrieval = sources.load_retrieval_set(f"{tmp_path}/{{00000..00001}}.tar")
     assert retrieval.num_images == 5
     assert retrieval.captions == ("first a", "first b", "second a", "second b", "second c", "image 2", "image 3",
                                   "image 4")
@@ -127,17 +128,17 @@ def test_retrieval_shards_with_several_captions_per_image(tmp_path):
 def test_corrupt_image_in_a_retrieval_set_is_an_error_naming_it(tmp_path):
     with wds.TarWriter(str(tmp_path / "00000.tar"), encoder=False) as sink:
         sink.write({"__key__": "bad", "jpg": b"not a jpeg", "txt": b"caption"})
-    retrieval = eval_sets.load_retrieval_set(str(tmp_path / "00000.tar"))
+    retrieval = sources.load_retrieval_set(str(tmp_path / "00000.tar"))
     with pytest.raises(ValueError, match="corrupt image .*00000.tar:bad"):
         list(retrieval.image_batches(batch_size=2, image_size=SIZE, mean=MEAN, std=STD))
 
 
-def test_fashion_mnist_test_split_for_zero_shot():
-    source = eval_sets.FashionMNISTSource("test")
+def test_the_demo_set_is_the_fashion_mnist_test_split_under_the_eval_transform():
+    source = demo_set("test")
     assert len(source) == 10_000 and source.class_names[9] == "ankle boot"
-    batches = eval_sets.classification_batches(source, batch_size=4, image_size=SIZE, mean=MEAN, std=STD)
+    batches = classification_batches(source.source, batch_size=4, image_size=SIZE, mean=MEAN, std=STD)
     batch = next(iter(batches))
-    item = source[0]
+    item = source.source[0]
     expected = _reference(Image.fromarray(item["image"]).convert("RGB"))
     np.testing.assert_allclose(batch["images"][0], expected, atol=1e-6)
     assert batch["labels"][0] == item["label"] and batch["valid"].all()

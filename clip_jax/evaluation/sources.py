@@ -1,12 +1,9 @@
-"""Evaluation sets: classification (image folders, TFDS ArrayRecord sources, Fashion-MNIST) and image-text
-retrieval shards.
+"""Where eval images come from: random-access sources of labelled images for classification, and webdataset
+shards of images with their captions for retrieval.
 
-Every image goes through the same path as OpenCLIP's eval: decode to RGB, resize the shortest side (bicubic),
-center crop, normalise. Classification batches have a fixed size: the last one is padded, with ``valid`` marking
-the real rows.
+Classification sources hold `{"image": encoded bytes or uint8 [H, W] / [H, W, 3], "label": int}` items and are read
+by index (Grain's random-access protocol); images stay encoded until `batches.eval_image` transforms them.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import itertools
@@ -17,17 +14,17 @@ from typing import Any
 
 import grain
 import numpy as np
-from PIL import Image
 
-from clip_jax.data import fashion_mnist, tar_format, transforms, webdataset
+from clip_jax.data import tar_format, transforms, webdataset
 from clip_jax.data import shards as shards_lib
+from clip_jax.evaluation.batches import eval_image
 
 FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class ImageFolderSource(grain.sources.RandomAccessDataSource):
-    """``root/class_name/image.jpg`` (the layout of OpenCLIP's ``--imagenet-val``): classes are the sorted folder
-    names, label ``i`` is ``class_names[i]``. Items are ``{"image": bytes, "label": int}``."""
+    """`root/class_name/image.jpg` (the layout of OpenCLIP's `--imagenet-val`): classes are the sorted folder
+    names, label `i` is `class_names[i]`. Items are `{"image": bytes, "label": int}`."""
 
     def __init__(self, root: str):
         if not os.path.isdir(root):
@@ -57,8 +54,8 @@ class ImageFolderSource(grain.sources.RandomAccessDataSource):
 
 
 class TfdsSource(grain.sources.RandomAccessDataSource):
-    """A prepared TFDS dataset read with ``tfds.data_source`` (ArrayRecord, no TensorFlow); images stay encoded
-    bytes. Items are ``{"image": bytes, "label": int}``; ``class_names`` come from the label feature."""
+    """A prepared TFDS dataset read with `tfds.data_source` (ArrayRecord, no TensorFlow); images stay encoded
+    bytes. Items are `{"image": bytes, "label": int}`; `class_names` come from the label feature."""
 
     def __init__(self, name: str, split: str, data_dir: str | None = None, image_key: str = "image",
                  label_key: str = "label"):
@@ -84,77 +81,23 @@ class TfdsSource(grain.sources.RandomAccessDataSource):
         return {"image": bytes(example[self.image_key]), "label": int(example[self.label_key])}
 
 
-class FashionMNISTSource(grain.sources.RandomAccessDataSource):
-    """A Fashion-MNIST split for zero-shot classification; items are ``{"image": uint8 [28, 28], "label": int}``
-    and ``class_names`` are :data:`clip_jax.data.fashion_mnist.CLASS_NAMES`."""
+class ArraySource:
+    """Images held in memory, uint8 [N, H, W] (greyscale) or [N, H, W, 3], with labels [N]."""
 
-    def __init__(self, split: str = "test", root: str = fashion_mnist.DEFAULT_DIR):
-        self.images, self.labels = fashion_mnist.load(split, root)
-        self.class_names = fashion_mnist.CLASS_NAMES
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.images)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {"image": self.images[index], "label": int(self.labels[index])}
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalTransform:
-    """Encoded image bytes or a uint8 array [H, W(, C)] -> uint8 [S, S, 3] with OpenCLIP's eval transform."""
-
-    image_size: int
-
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        image = item["image"]
-        if isinstance(image, np.ndarray):
-            image = Image.fromarray(image).convert("RGB")
-        else:
-            image = transforms.decode_rgb(image)
-        return {"image": transforms.eval_crop(image, self.image_size), "label": np.int32(item["label"])}
-
-
-@dataclasses.dataclass(frozen=True)
-class PaddedCollate:
-    """Stacks up to ``batch_size`` items, pads with zeros to ``batch_size``; ``valid`` marks the real rows."""
-
-    batch_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-        images = transforms.normalize(np.stack([item["image"] for item in items]), self.mean, self.std)
-        labels = np.asarray([item["label"] for item in items], np.int32)
-        pad = self.batch_size - len(items)
-        if pad:
-            images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
-            labels = np.concatenate([labels, np.full(pad, -1, np.int32)])
-        valid = np.arange(self.batch_size) < len(items)
-        return {"images": images, "labels": labels, "valid": valid}
-
-
-def classification_batches(
-    source: grain.sources.RandomAccessDataSource,
-    *,
-    batch_size: int,
-    image_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    num_threads: int = 8,
-) -> grain.IterDataset:
-    """Batches ``{"images": float32 [B, S, S, 3], "labels": int32 [B] (-1 = padding), "valid": bool [B]}`` in
-    source order, decoded by ``num_threads`` threads."""
-    ds = grain.MapDataset.source(source).map(EvalTransform(image_size))
-    ds = ds.batch(batch_size, batch_fn=PaddedCollate(batch_size, tuple(mean), tuple(std)))
-    return ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Retrieval: webdataset shards of images with one or more captions each.
-
-
 def captions_of(files: dict[str, bytes]) -> list[str]:
-    """A retrieval sample's captions: ``json["captions"]`` when present, else the non-empty lines of ``txt``."""
+    """A retrieval sample's captions: `json["captions"]` when present, else the non-empty lines of `txt`."""
     if "json" in files:
         try:
             meta = json.loads(files["json"])
@@ -180,7 +123,7 @@ def _iter_retrieval_groups(urls: Sequence[str]) -> Iterator[tuple[bytes, list[st
 class RetrievalSet:
     """Images (streamed from the shards in order) and all their captions.
 
-    ``caption_image[t]`` is the index of the image caption ``t`` describes.
+    `caption_image[t]` is the index of the image caption `t` describes.
     """
 
     urls: tuple[str, ...]
@@ -190,13 +133,13 @@ class RetrievalSet:
 
     def image_batches(self, *, batch_size: int, image_size: int, mean: Sequence[float],
                       std: Sequence[float]) -> Iterator[np.ndarray]:
-        """Eval-transformed, normalised images float32 [<=B, S, S, 3] of the first ``num_images`` images, in order
+        """Eval-transformed, normalised images float32 [<=B, S, S, 3] of the first `num_images` images, in order
         (the last batch partial)."""
         batch = []
         groups = itertools.islice(_iter_retrieval_groups(self.urls), self.num_images)
         for image, _, where in groups:
             try:
-                batch.append(transforms.eval_crop(transforms.decode_rgb(image), image_size))
+                batch.append(eval_image(image, image_size))
             except transforms.ImageDecodeError as e:
                 raise ValueError(f"corrupt image {where} in a retrieval set ({e}): fix or drop it (see "
                                  "`python -m clip_jax.data.check`)") from e
@@ -208,8 +151,8 @@ class RetrievalSet:
 
 
 def load_retrieval_set(pattern: str) -> RetrievalSet:
-    """Reads the captions of image-caption shards (several captions per image: ``json["captions"]`` or one per
-    line of ``txt``). Samples without an image or a caption are left out."""
+    """Reads the captions of image-caption shards (several captions per image: `json["captions"]` or one per
+    line of `txt`). Samples without an image or a caption are left out."""
     urls = shards_lib.resolve_shards(pattern).urls
     captions, owners, num_images = [], [], 0
     for _, image_captions, _ in _iter_retrieval_groups(urls):
