@@ -23,11 +23,12 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from clip_jax import data
+from clip_jax import cli, data
 from clip_jax.checkpoint import (RunCheckpoints, data_iter_files, latest_complete_step, read_meta, resolve_resume,
                                  saved_process_count)
 from clip_jax.config import check_config
-from clip_jax.distributed import DistributedInitError, initialize_from_environment
+from clip_jax.distributed import initialize_from_environment
+from clip_jax.errors import InvalidInput, RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, TrainMetrics, progress_line, window_scalars
 from clip_jax.models import create_model, init_params, param_shapes
@@ -50,8 +51,8 @@ MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 STOP_CHECK_EVERY_STEPS = 5
 
 
-class TrainingUnstable(RuntimeError):
-    pass
+class TrainingUnstable(RunFailed):
+    """The loss keeps diverging although the run rolled back to its last checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,7 @@ def data_resume_plan(config, meta: dict, saved_processes: int | None, *, where: 
 
     saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
     if config.resume_data != "allow_reseed":
-        raise ValueError(
+        raise InvalidInput(
             f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
             "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
             "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "
@@ -168,7 +169,7 @@ def run_name(config) -> str:
     if config.name:
         return config.name
     if config.resume == "latest":
-        raise ValueError("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
+        raise InvalidInput("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
     # One timestamp for all processes: process 0's.
     stamp = int(time.time()) if jax.process_count() == 1 else int(
         jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
@@ -215,7 +216,7 @@ class Trainer:
         if config.resume:
             resume_dir, resume_step = resolve_resume(config.resume, self.run_dir)
         elif latest_complete_step(os.path.join(self.run_dir, "checkpoints")) is not None:
-            raise ValueError(f"run directory {self.run_dir} already has checkpoints: continue it with "
+            raise InvalidInput(f"run directory {self.run_dir} already has checkpoints: continue it with "
                              "--config.resume=latest, or start another run with --config.name=...")
         data_resume = DataResume(False, config.seed)
         if resume_step is not None:
@@ -507,11 +508,11 @@ def main(argv) -> int:
     try:
         initialize_from_environment()  # a multi-process run joins before anything touches the devices
         train(config)
-    except (ValueError, FileNotFoundError, TrainingUnstable, DistributedInitError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from clip_jax.data.eval_sets import PaddedCollate
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import build_zeroshot_classifier, zeroshot_logits
 from clip_jax.evaluation.datasets import ClassificationSet, eval_image
 from clip_jax.evaluation.metrics import label_ranks
@@ -82,17 +83,17 @@ def evaluate_zeroshot(model, params, dataset: ClassificationSet, mesh: Mesh, *, 
     """
     process_index, process_count = jax.process_index(), jax.process_count()
     if batch_size % mesh.size or batch_size % process_count:
-        raise ValueError(f"eval batch size {batch_size} must be a multiple of the {mesh.size} devices (and of the "
+        raise InvalidInput(f"eval batch size {batch_size} must be a multiple of the {mesh.size} devices (and of the "
                          f"{process_count} processes)")
     if len(dataset) == 0:
-        raise ValueError(f"zero-shot dataset {dataset.name} has no images")
+        raise InvalidInput(f"zero-shot dataset {dataset.name} has no images")
     params = replicate(params, mesh)
     if classifier is None:
         classifier = build_zeroshot_classifier(model, params, dataset.prompts, mesh, text_batch_size=text_batch_size,
                                                progress=progress)
     num_classes = classifier.shape[1]
     if num_classes != len(dataset.class_names):
-        raise ValueError(f"the classifier has {num_classes} classes but {dataset.name} has "
+        raise InvalidInput(f"the classifier has {num_classes} classes but {dataset.name} has "
                          f"{len(dataset.class_names)} class names")
     ks = tuple(k for k in ks if k <= num_classes)
 
@@ -116,7 +117,7 @@ def evaluate_zeroshot(model, params, dataset: ClassificationSet, mesh: Mesh, *, 
         labels = batch["labels"][batch["valid"]]
         bad = labels[(labels < 0) | (labels >= num_classes)]
         if bad.size:
-            raise ValueError(f"{dataset.name} has label {int(bad[0])} but {num_classes} class names (labels "
+            raise InvalidInput(f"{dataset.name} has label {int(bad[0])} but {num_classes} class names (labels "
                              f"0..{num_classes - 1}): give one class name per label")
         batch = make_global_batch(batch, mesh)
         features = _image_features(model, params, batch["images"])  # the image tower compiles once per shape

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.sharded import encode_text_rows, replicate, round_up, shard_rows
 from clip_jax.models import l2_normalize
 from clip_jax.tokenizer import VOCAB_SIZE, tokenize
@@ -24,7 +25,7 @@ def check_vocabulary(model) -> None:
     """Refuses a text tower too small for the tokenizer's vocabulary."""
     vocab_size = model.config.text.vocab_size
     if vocab_size < VOCAB_SIZE:
-        raise ValueError(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
+        raise InvalidInput(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
                          f"{VOCAB_SIZE} of the tokenizer; it cannot encode prompts or captions")
 
 
@@ -50,10 +51,10 @@ def build_zeroshot_classifier(model, params, prompts: Sequence[Sequence[str]], m
     is padded), so the text tower compiles once per dataset.
     """
     if not prompts:
-        raise ValueError("no classes to build a zero-shot classifier for")
+        raise InvalidInput("no classes to build a zero-shot classifier for")
     num_templates = len(prompts[0])
     if num_templates == 0 or any(len(p) != num_templates for p in prompts):
-        raise ValueError("every class needs the same, non-zero number of prompts; got "
+        raise InvalidInput("every class needs the same, non-zero number of prompts; got "
                          f"{sorted({len(p) for p in prompts})}")
     num_classes = len(prompts)
     params = replicate(params, mesh)

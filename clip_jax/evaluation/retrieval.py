@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from clip_jax.data.eval_sets import RetrievalSet
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import tokenize_for
 from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.sharded import encode_image_batch, encode_texts, replicate, round_up
@@ -50,7 +51,7 @@ def encode_retrieval_images(model, params, retrieval_set: RetrievalSet, mesh: Me
     if bar is not None:
         bar.close()
     if count != retrieval_set.num_images:
-        raise ValueError(f"the retrieval shards yielded {count} images, {retrieval_set.num_images} expected: they "
+        raise InvalidInput(f"the retrieval shards yielded {count} images, {retrieval_set.num_images} expected: they "
                          "changed while being read")
     return np.concatenate(features)
 
