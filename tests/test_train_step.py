@@ -22,18 +22,13 @@ from clip_jax.train_step import (
     split_micro_batches,
 )
 
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
 GLOBAL_BATCH = 32
 SGD_LR = 0.5  # plain SGD, so the parameter change is the gradient itself (Adam's first step is ~sign(grad))
 
 
 @pytest.fixture(scope="module")
-def model():
-    return create_model(TINY)
+def model(tiny_model_config):
+    return create_model(tiny_model_config)
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +36,8 @@ def params(model):
     return jax.tree.map(np.asarray, init_params(model, jax.random.key(0)))
 
 
-def random_batch(rows: int) -> dict[str, np.ndarray]:
-    """Images and tokens for the TINY model (token ids below its vocabulary of 1000)."""
-    rng = np.random.default_rng(0)
-    return {
-        "images": rng.normal(size=(rows, 32, 32, 3)).astype(np.float32),
-        "tokens": rng.integers(1, 1000, size=(rows, 16)).astype(np.int32),
-    }
-
-
 @pytest.fixture(scope="module")
-def batch():
+def batch(random_batch):
     return random_batch(GLOBAL_BATCH)
 
 
@@ -112,8 +98,9 @@ def test_fsdp_equals_replicated(model, params, batch, eight_device_step):
 
 
 @pytest.mark.parametrize("accum_steps", [4])  # micro-batches of one row per device
-def test_accumulation_with_fsdp_and_remat_equals_full_batch(params, batch, eight_device_step, accum_steps):
-    remat_model = create_model(TINY, remat_policy="nothing_saveable")
+def test_accumulation_with_fsdp_and_remat_equals_full_batch(params, batch, eight_device_step, accum_steps,
+                                                            tiny_model_config):
+    remat_model = create_model(tiny_model_config, remat_policy="nothing_saveable")
     after, metrics = sgd_step(remat_model, params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True)
     assert_same_update(params, after, eight_device_step[0])
     for name in ("loss", "accuracy", "logit_scale", "grad_norm"):
@@ -188,12 +175,12 @@ def test_fsdp_spec_splits_the_largest_divisible_dim_and_keeps_layers_and_small_l
     assert fsdp_spec((1024, 4096), 1) == P()
 
 
-def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows():
+def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows(tiny_model_config):
     vit_l_14 = param_shapes(create_model("ViT-L-14"))
     assert fsdp_data_size(vit_l_14, 384) == 128  # 1024 and 4096 divide by 128, not by 384 (= 3 x 128)
     assert fsdp_data_size(vit_l_14, 256) == 256  # a power of two: every leaf splits, the mesh stays 1-D
     devices = jax.devices()[:6]
-    mesh = create_mesh(devices, fsdp_params=param_shapes(create_model(TINY)))  # widths 32 and 64: 2 of 6
+    mesh = create_mesh(devices, fsdp_params=param_shapes(create_model(tiny_model_config)))  # widths 32 and 64: 2 of 6
     assert dict(mesh.shape) == {"replica": 3, "data": 2}
     assert list(mesh.devices.flat) == devices  # the same order: the batch lands where a 1-D mesh puts it
     assert dict(create_mesh(devices).shape) == {"data": 6}  # without FSDP, no grid
@@ -203,7 +190,7 @@ def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows():
     assert fsdp_leaf_spec(mesh, (2, 64, 256), stacked=True) == P(None, None, "data")
 
 
-def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
+def test_fsdp_on_a_replica_grid_equals_replicated(model, params, random_batch):
     """6 devices, weights of width 32 and 64: most leaves split 2 ways over a 3 x 2 grid. One SGD step equals the
     replicated step on the same devices, leaf by leaf; the state is split as the grid says."""
     batch, devices = random_batch(24), jax.devices()[:6]
