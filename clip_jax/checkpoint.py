@@ -18,15 +18,17 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from clip_jax.errors import InvalidInput, MissingInput
+
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
 _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
-class CheckpointNotFoundError(FileNotFoundError):
-    pass
+class CheckpointNotFoundError(MissingInput):
+    """No checkpoint where the run was told to resume from."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(InvalidInput):
     """The checkpoint holds another model's (or optimizer's) state than the run restoring it."""
 
 
@@ -125,7 +127,7 @@ def saved_process_count(meta: CheckpointMeta | None, data_iter_files: list[str])
         return int(meta.process_count)
     counts = {int(m.group(2)) for m in map(_DATA_ITER_FILE.fullmatch, data_iter_files) if m}
     if len(counts) > 1:
-        raise ValueError(f"data-iterator files of several process counts {sorted(counts)}: "
+        raise InvalidInput(f"data-iterator files of several process counts {sorted(counts)}: "
                          f"{sorted(data_iter_files)}")
     return counts.pop() if counts else None
 

@@ -10,6 +10,7 @@ import os
 import ml_collections
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
@@ -118,4 +119,4 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     if c.zeroshot_data and c.zeroshot_data != "demo" and not os.path.isdir(c.zeroshot_data):
         problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder")
     if problems:
-        raise ValueError("bad config:\n  " + "\n  ".join(problems))
+        raise InvalidInput("bad config:\n  " + "\n  ".join(problems))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.models.config import CLIPConfig, get_model_config
 
 # Layouts: a clip_jax leaf is the OpenCLIP tensor with its axes permuted.
@@ -137,7 +138,7 @@ def from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float
     misshaped = [f"{k} {tuple(np.shape(state_dict[k]))} (expected {expected[k]})"
                  for k in expected if k in state_dict and tuple(np.shape(state_dict[k])) != expected[k]]
     if missing or unexpected or misshaped:
-        raise ValueError(_describe_mismatch(config, missing, unexpected, misshaped, "OpenCLIP state_dict"))
+        raise InvalidInput(_describe_mismatch(config, missing, unexpected, misshaped, "OpenCLIP state_dict"))
 
     params: dict = {}
     for entry in _entries(config):
@@ -171,7 +172,7 @@ def to_open_clip(params, name_or_config) -> dict[str, np.ndarray]:
     misshaped = [f"{'/'.join(p)} {flat[p].shape} (expected {expected[p]})"
                  for p in expected if p in flat and flat[p].shape != expected[p]]
     if missing or unexpected or misshaped:
-        raise ValueError(_describe_mismatch(config, missing, unexpected, misshaped, "clip_jax params"))
+        raise InvalidInput(_describe_mismatch(config, missing, unexpected, misshaped, "clip_jax params"))
 
     state_dict = {}
     for entry in _entries(config):
@@ -190,7 +191,7 @@ def to_open_clip(params, name_or_config) -> dict[str, np.ndarray]:
 def save_params(path: str, params) -> None:
     """clip_jax params as an `.npz` of '/'-joined paths."""
     if not path.endswith(".npz"):
-        raise ValueError(f"clip_jax params are written as .npz; got {path}")
+        raise InvalidInput(f"clip_jax params are written as .npz; got {path}")
     np.savez(path, **{"/".join(p): np.asarray(v) for p, v in _flatten(params).items()})
 
 
@@ -210,7 +211,7 @@ def load_params(path: str, name_or_config=None) -> dict:
             to_open_clip(params, name_or_config)  # validates the tree against the model, naming any bad key
         return params
     if name_or_config is None:
-        raise ValueError(f"{path} holds an OpenCLIP state_dict; pass the model name to convert it")
+        raise InvalidInput(f"{path} holds an OpenCLIP state_dict; pass the model name to convert it")
     return from_open_clip(arrays, name_or_config)
 
 
@@ -231,7 +232,7 @@ def _torch_state_dict(path: str) -> dict[str, np.ndarray]:
     if isinstance(obj, Mapping) and "state_dict" in obj:  # an OpenCLIP training checkpoint
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping):
-        raise ValueError(f"{path} does not hold a state_dict (found {type(obj).__name__})")
+        raise InvalidInput(f"{path} does not hold a state_dict (found {type(obj).__name__})")
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in obj.items()
             if isinstance(v, torch.Tensor)}
 
@@ -239,7 +240,7 @@ def _torch_state_dict(path: str) -> dict[str, np.ndarray]:
 def read_arrays(path: str) -> dict[str, np.ndarray]:
     """Name -> array from a `.pt`/`.pth`/`.bin` (torch), `.safetensors` or `.npz` file."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise MissingInput(f"checkpoint {path} does not exist")
     if path.endswith((".pt", ".pth", ".bin")):
         return _torch_state_dict(path)
     if path.endswith(".safetensors"):
@@ -249,7 +250,7 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
     if path.endswith(".npz"):
         with np.load(path) as f:
             return {k: f[k] for k in f.files}
-    raise ValueError(f"unknown checkpoint format {path}: expected .pt, .pth, .bin, .safetensors or .npz")
+    raise InvalidInput(f"unknown checkpoint format {path}: expected .pt, .pth, .bin, .safetensors or .npz")
 
 
 def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
@@ -264,7 +265,7 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
 
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
     else:
-        raise ValueError(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
+        raise InvalidInput(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
 
 
 def main(argv=None) -> int:
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
         else:
             save_params(args.dst, from_open_clip(arrays, args.model))
             direction = "OpenCLIP -> clip_jax"
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{direction}: {args.src} -> {args.dst} ({args.model})")

@@ -22,14 +22,16 @@ from collections.abc import Mapping
 
 import jax
 
+from clip_jax.errors import RunFailed
+
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "CLIP_JAX_COORDINATOR", "CLIP_JAX_NUM_PROCESSES", "CLIP_JAX_PROCESS_ID"
 LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
 HEARTBEAT_TIMEOUT, INIT_TIMEOUT = "CLIP_JAX_HEARTBEAT_TIMEOUT", "CLIP_JAX_INIT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT = 100, 300
 
 
-class DistributedInitError(RuntimeError):
-    pass
+class DistributedInitError(RunFailed):
+    """The multi-process environment is set wrong, or the processes could not meet."""
 
 
 @dataclasses.dataclass(frozen=True)

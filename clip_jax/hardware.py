@@ -12,6 +12,8 @@ read off one (benchmarks/gpu_device_info.py, nvidia-smi).
 
 import dataclasses
 
+from clip_jax.errors import InvalidInput
+
 
 @dataclasses.dataclass(frozen=True)
 class ComputeCapabilityLimits:
@@ -93,7 +95,7 @@ class GPU:
     def target_config(self) -> str:
         """The `GpuTargetConfig` text proto XLA:GPU compiles for."""
         if self.target is None:
-            raise ValueError(f"no XLA:GPU target config for {self.name}; known: "
+            raise InvalidInput(f"no XLA:GPU target config for {self.name}; known: "
                              f"{', '.join(name for name, gpu in GPUS.items() if gpu.target)}")
         return self.target.config_proto(self.memory_bytes, f"NVIDIA {self.kind_patterns[0]}")
 
@@ -121,7 +123,7 @@ GPUS = {
 
 def get_gpu(name: str) -> GPU:
     if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+        raise InvalidInput(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
     return GPUS[name]
 
 

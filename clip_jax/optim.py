@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from clip_jax.errors import InvalidInput
 from clip_jax.parallel import LAYER_STACK_KEY, path_names
 
 LOGIT_SCALE_MAX = math.log(100.0)
@@ -40,7 +41,7 @@ def warmup_cosine_schedule(base_lr: float, warmup_steps: int, total_steps: int) 
     to 0 at `total_steps`, where it stays. `step` counts optimizer updates from 0.
     """
     if warmup_steps < 0 or total_steps <= warmup_steps:
-        raise ValueError(
+        raise InvalidInput(
             f"learning-rate schedule: need 0 <= warmup_steps < total_steps, got warmup_steps={warmup_steps}, "
             f"total_steps={total_steps}; lower the warmup or train for more steps"
         )
@@ -69,7 +70,7 @@ def create_optimizer(
     The state has the same structure with or without clipping, so a run can resume with either.
     """
     if grad_clip_norm is not None and grad_clip_norm <= 0:
-        raise ValueError(f"grad_clip_norm must be positive or None, got {grad_clip_norm}")
+        raise InvalidInput(f"grad_clip_norm must be positive or None, got {grad_clip_norm}")
     clip = optax.identity() if grad_clip_norm is None else optax.clip_by_global_norm(grad_clip_norm)
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     return optax.chain(clip, adamw)

@@ -19,6 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from clip_jax.errors import InvalidInput
+
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"  # in a (replica, data) grid: the devices holding the same slice of an FSDP leaf
 
@@ -154,7 +156,7 @@ def make_global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict
     for name, rows in local_batch.items():
         rows = np.asarray(rows)
         if rows.ndim == 0 or rows.shape[0] % n_local:
-            raise ValueError(
+            raise InvalidInput(
                 f"make_global_batch: '{name}' has shape {rows.shape}; its first dimension must be a multiple "
                 f"of the {n_local} local devices. Choose a per-process batch size divisible by {n_local}."
             )

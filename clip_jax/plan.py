@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clip_jax import xla_gpu
+from clip_jax.errors import InvalidInput, UserError
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, param_shapes
 from clip_jax.models.flops import forward_flops, train_flops
@@ -64,7 +65,7 @@ MAX_SIMULATED_DEVICES = 4096
 TOWERS = ("image", "text")
 
 
-class BatchDoesNotFit(ValueError):
+class BatchDoesNotFit(InvalidInput):
     """Even one sample per device needs more memory than the budget."""
 
 
@@ -326,7 +327,7 @@ def _check_arguments(num_gpus: int, price: float | None, mfu: float | None, memo
     if pipeline_rate <= 0:
         problems.append(f"--pipeline_rate={pipeline_rate}: samples per CPU-second must be positive")
     if problems:
-        raise ValueError("bad planner arguments:\n  " + "\n  ".join(problems))
+        raise InvalidInput("bad planner arguments:\n  " + "\n  ".join(problems))
 
 
 def _run_length(config, global_batch: int, samples_per_s: float, num_gpus: int, price: float | None) -> dict | None:
@@ -381,7 +382,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     gpu = get_gpu(gpu_name)
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
     if compiler not in ("cpu", "gpu"):
-        raise ValueError(f"compiler={compiler!r}: choose cpu or gpu")
+        raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")
     if compiler == "gpu":
         nodes, per_node = xla_gpu.parse_topology(topology, num_gpus)
         devices = xla_gpu.devices(gpu, nodes, per_node)
@@ -390,12 +391,12 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         devices = list(jax.devices()[:num_gpus] if devices is None else devices)
         where = f"{num_gpus} simulated device{'s' * (num_gpus > 1)}"
     if len(devices) != num_gpus:
-        raise ValueError(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
+        raise InvalidInput(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
                          "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
     setup = planned_spec(config, compiler)
     batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
-        raise ValueError(f"batch_size={batch_size} (per device) must be a positive multiple of "
+        raise InvalidInput(f"batch_size={batch_size} (per device) must be a positive multiple of "
                          f"accum_freq={accum_freq}")
     mesh = mesh_for(setup, devices)
     budget = int(gpu.memory_bytes * memory_fraction)
@@ -616,7 +617,7 @@ def choose_compiler(asked: str) -> str:
         raise xla_gpu.CudaPluginMissing(
             f"--compiler=gpu needs jaxlib's CUDA plugin, which is not installed: {xla_gpu.INSTALL_HINT}")
     if asked not in ("gpu", "cpu"):
-        raise ValueError(f"--compiler={asked}: choose auto, gpu or cpu")
+        raise InvalidInput(f"--compiler={asked}: choose auto, gpu or cpu")
     return asked
 
 
@@ -636,7 +637,7 @@ def main(argv) -> None:
             xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
         elif FLAGS.topology is not None:
             usage_error("--topology needs the XLA:GPU compiler (--compiler=gpu, with '.[gpu]' installed)")
-    except (ValueError, xla_gpu.CudaPluginMissing) as e:
+    except UserError as e:
         usage_error(str(e))
     jax.config.update("jax_platforms", "cpu")  # XLA:GPU's compile-only devices need no CUDA backend
     jax.config.update("jax_num_cpu_devices", FLAGS.gpus if compiler == "cpu" else 1)
@@ -647,7 +648,7 @@ def main(argv) -> None:
         result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
                       memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
                       topology=FLAGS.topology, search_batch=FLAGS.search_batch, progress=say)
-    except (ValueError, xla_gpu.CudaPluginMissing) as e:
+    except UserError as e:
         usage_error(str(e))
     print(json.dumps(result, indent=2) if FLAGS.json else format_plan(result))
 
@@ -674,8 +675,8 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from clip_jax import cli
 
     xla_gpu.prepare()  # before JAX loads its plugins
     _define_flags()
-    app.run(main)
+    cli.run(main)

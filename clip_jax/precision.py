@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from clip_jax.errors import InvalidInput
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
@@ -33,7 +35,7 @@ POLICIES = {
 
 def get_policy(name: str) -> PrecisionPolicy:
     if name not in POLICIES:
-        raise ValueError(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}")
+        raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}")
     return POLICIES[name]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from clip_jax.checkpoint import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta, resolve_resume,
                                  saved_process_count)
+from clip_jax.errors import InvalidInput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +45,13 @@ class RunStart:
 
 def plan_run_start(config, *, process_count: int) -> RunStart:
     """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
-    `CheckpointNotFoundError`) naming the way out when the run cannot start as configured."""
+    `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured."""
     run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
     checkpoints = os.path.join(run_dir, "checkpoints")
     if not config.resume:
         if latest_complete_step(checkpoints) is not None:
-            raise ValueError(f"run directory {run_dir} already has checkpoints: continue it with "
-                             "--config.resume=latest, or start another run with --config.name=...")
+            raise InvalidInput(f"run directory {run_dir} already has checkpoints: continue it with "
+                               "--config.resume=latest, or start another run with --config.name=...")
         return RunStart(run_dir, None, None, DataResume(False, config.seed))
     directory, step = resolve_resume(config.resume, run_dir)
     if step is None:  # resume=latest with no checkpoint yet
@@ -66,7 +67,7 @@ def run_name(config) -> str:
     if config.name:
         return config.name
     if config.resume == "latest":
-        raise ValueError("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
+        raise InvalidInput("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
     # One timestamp for all processes: process 0's.
     stamp = int(time.time()) if jax.process_count() == 1 else int(
         jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
@@ -104,7 +105,7 @@ def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int |
 
     saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
     if config.resume_data != "allow_reseed":
-        raise ValueError(
+        raise InvalidInput(
             f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
             "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
             "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "

@@ -16,6 +16,7 @@ from PIL import Image
 from clip_jax.convert import load_params
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
+from clip_jax.errors import UserError
 from clip_jax.models import create_model, init_params
 from clip_jax.tokenizer import tokenize
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         model = create_model(args.model)
         grey, labels = fashion_mnist.load("test", args.data_dir)
         params = load_params(args.checkpoint, args.model) if args.checkpoint else None
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if params is None:

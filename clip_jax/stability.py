@@ -3,6 +3,8 @@
 import collections
 import math
 
+from clip_jax.errors import InvalidInput
+
 
 class InstabilityMonitor:
     """Fed every step's loss and finiteness; returns the reason to roll back, or None.
@@ -14,7 +16,7 @@ class InstabilityMonitor:
 
     def __init__(self, nan_patience: int, spike_factor: float = 0.0, window: int = 20, min_history: int = 10):
         if nan_patience < 1:
-            raise ValueError(f"nan_patience must be at least 1, got {nan_patience}")
+            raise InvalidInput(f"nan_patience must be at least 1, got {nan_patience}")
         self.nan_patience, self.spike_factor, self.min_history = nan_patience, spike_factor, min_history
         self.history: collections.deque = collections.deque(maxlen=window)
         self.non_finite_in_a_row = 0

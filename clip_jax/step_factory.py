@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
+from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
@@ -53,7 +54,7 @@ class OptimizerSpec:
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.name!r}: choose one of {OPTIMIZERS}")
+            raise InvalidInput(f"optimizer {self.name!r}: choose one of {OPTIMIZERS}")
 
     def learning_rate_fn(self) -> Callable:
         if self.total_steps is None:
@@ -89,9 +90,9 @@ class StepSpec:
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
                              "(resolve 'auto' with choose_attention_impl)")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss {self.loss!r}: choose one of {LOSSES}")
+            raise InvalidInput(f"loss {self.loss!r}: choose one of {LOSSES}")
         if self.accum_steps < 1:
-            raise ValueError(f"accum_steps must be >= 1, got {self.accum_steps}")
+            raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
 
     def _model_source(self):
         # A dict is not hashable, so a spec keeps the resolved CLIPConfig; a Mapping is read once, here.

@@ -28,6 +28,8 @@ import numpy as np
 import regex
 import tokenizers
 
+from clip_jax.errors import InvalidInput
+
 VOCAB_FILE = "bpe_simple_vocab_16e6.txt.gz"
 NUM_MERGES = 48_894  # the first merges of the file, as OpenAI's CLIP uses them
 VOCAB_SIZE = 49_408  # 256 bytes, 256 word-final bytes, the merges, SOT, EOT
@@ -55,7 +57,7 @@ def tokenize(
     texts = [texts] if isinstance(texts, str) else list(texts)
     _check_captions(texts)
     if context_length < 2:
-        raise ValueError(f"context_length must be at least 2 (room for SOT and EOT), got {context_length}")
+        raise InvalidInput(f"context_length must be at least 2 (room for SOT and EOT), got {context_length}")
 
     chunks_per_caption = [_clean_chunks(text, context_length - 1) for text in texts]
     chunks = list(itertools.chain.from_iterable(chunks_per_caption))

@@ -23,10 +23,11 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from clip_jax import data
+from clip_jax import cli, data
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config
-from clip_jax.distributed import DistributedInitError, initialize_from_environment
+from clip_jax.distributed import initialize_from_environment
+from clip_jax.errors import RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
 from clip_jax.models import create_model
@@ -48,8 +49,8 @@ MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 STOP_CHECK_EVERY_STEPS = 5
 
 
-class TrainingUnstable(RuntimeError):
-    pass
+class TrainingUnstable(RunFailed):
+    """The loss keeps diverging although the run rolled back to its last checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,11 +406,11 @@ def main(argv) -> int:
     try:
         initialize_from_environment()  # a multi-process run joins before anything touches the devices
         train(config)
-    except (ValueError, FileNotFoundError, TrainingUnstable, DistributedInitError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 
+from clip_jax.errors import InvalidInput, RunFailed
 from clip_jax.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
@@ -27,7 +28,7 @@ INSTALL_HINT = "pip install -e '.[gpu]' (jaxlib's CUDA plugin and NVIDIA's libra
 GPUS_PER_NODE = 8  # the default topology's node size, when it divides the GPU count
 
 
-class CudaPluginMissing(RuntimeError):
+class CudaPluginMissing(RunFailed):
     """XLA:GPU was asked for and jaxlib's CUDA plugin is not installed or not loaded."""
 
 
@@ -55,10 +56,10 @@ def parse_topology(text: str | None, num_gpus: int) -> tuple[int, int]:
         return num_gpus // per_node, per_node
     match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
-        raise ValueError(f"topology {text!r}: write it as NODESxGPUS_PER_NODE, e.g. 96x4")
+        raise InvalidInput(f"topology {text!r}: write it as NODESxGPUS_PER_NODE, e.g. 96x4")
     nodes, per_node = int(match[1]), int(match[2])
     if nodes * per_node != num_gpus:
-        raise ValueError(f"topology {text} holds {nodes * per_node} GPUs, not the {num_gpus} of --gpus: "
+        raise InvalidInput(f"topology {text} holds {nodes * per_node} GPUs, not the {num_gpus} of --gpus: "
                          f"give --gpus {nodes * per_node}, or a topology whose nodes x GPUs per node is {num_gpus}")
     return nodes, per_node
 

@@ -23,6 +23,7 @@ from clip_jax.checkpoint import read_params
 from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput, UserError
 from clip_jax.evaluation import prompts as prompts_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.classifier import check_vocabulary
@@ -50,7 +51,7 @@ def _templates(arg: str | None) -> tuple[str, ...] | None:
     if arg in prompts_lib.TEMPLATE_SETS:
         return prompts_lib.templates(arg)
     if not os.path.exists(arg):
-        raise ValueError(f"--templates {arg!r} is neither a template set ({', '.join(prompts_lib.TEMPLATE_SETS)}) "
+        raise InvalidInput(f"--templates {arg!r} is neither a template set ({', '.join(prompts_lib.TEMPLATE_SETS)}) "
                          "nor a file")
     return prompts_lib.check_templates(prompts_lib.read_lines_or_json(arg, "templates"))
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
         jax.distributed.initialize()
     try:
         report = run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:

@@ -1,7 +1,13 @@
 """Test set-up: eight simulated CPU devices, so sharded code runs as on a GPU node; jaxlib's CUDA plugin loads
-without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings)."""
+without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings). Also the tiny
+models and the random batch the tests share."""
 
+import copy
+import json
 import os
+
+import numpy as np
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.xla_gpu.prepare()
@@ -10,3 +16,46 @@ import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The model most unit tests compile: two layers a tower and a vocabulary of 1,000, so a sharded step compiles in
+# seconds. (The OpenCLIP parity tests use their own, with more heads, in open_clip_reference.py.)
+TINY_MODEL = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
+}
+# The trainer's tests read Fashion-MNIST shards (28 px images) and tokenize real captions (OpenAI's vocabulary).
+TRAINER_MODEL = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_config():
+    """OpenCLIP's config format for the tiny model; a copy for each test module."""
+    return copy.deepcopy(TINY_MODEL)
+
+
+def _random_batch(rows: int) -> dict[str, np.ndarray]:
+    """Images and tokens for the tiny model (token ids below its vocabulary of 1000)."""
+    rng = np.random.default_rng(0)
+    return {
+        "images": rng.normal(size=(rows, 32, 32, 3)).astype(np.float32),
+        "tokens": rng.integers(1, 1000, size=(rows, 16)).astype(np.int32),
+    }
+
+
+@pytest.fixture(scope="session")
+def random_batch():
+    """`random_batch(rows)`: the same random images and tokens for the tiny model on every call."""
+    return _random_batch
+
+
+@pytest.fixture(scope="session")
+def trainer_model_file(tmp_path_factory):
+    """The trainer tests' model as an OpenCLIP .json file, as a run's config names it."""
+    path = tmp_path_factory.mktemp("model") / "tiny.json"
+    path.write_text(json.dumps(TRAINER_MODEL))
+    return str(path)

@@ -9,6 +9,8 @@ TINY = {  # several heads per tower, a non-default mlp_ratio, a non-square-free 
     "vision_cfg": {"image_size": 32, "layers": 3, "width": 96, "patch_size": 8, "head_width": 24, "mlp_ratio": 2.5},
     "text_cfg": {"context_length": 20, "vocab_size": 600, "width": 64, "heads": 4, "layers": 2, "mlp_ratio": 3.0},
 }
+# Real token ids (the tokenizer's) need the full vocabulary and context; the towers stay tiny.
+TINY_77 = {**TINY, "text_cfg": {**TINY["text_cfg"], "context_length": 77, "vocab_size": 49408}}
 
 
 def open_clip_model(name_or_config, seed: int = 0) -> torch.nn.Module:

@@ -11,8 +11,9 @@ import open_clip
 import pytest
 import torch
 
+from clip_jax.convert import from_open_clip
 from clip_jax.models import count_params, create_model, get_model_config, init_params, list_models
-from open_clip_reference import TINY, random_inputs
+from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
 
 NAMED = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-L-14-336", "ViT-H-14", "ViT-g-14"]
 
@@ -159,13 +160,17 @@ def test_pure_bf16_params_keep_the_same_tree():
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, fp32_params)
 
 
-def test_xla_attention_equals_the_default():
+def test_xla_attention_gives_open_clips_features():
+    """attention_impl="xla" against OpenCLIP itself, not against the default: on a CPU the default is XLA's too, so
+    that comparison could not fail."""
+    torch_model = open_clip_model(TINY)
     images, tokens = random_inputs(32, 20, 600, batch=2)
-    params = init_params(create_model(TINY), jax.random.key(0))
-    a = create_model(TINY).apply({"params": params}, images, tokens)
-    b = create_model(TINY, attention_impl="xla").apply({"params": params}, images, tokens)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(x, y, atol=1e-6)
+    expected = open_clip_features(torch_model, images, tokens)
+    params = from_open_clip(state_dict_numpy(torch_model), TINY)
+    image_f, text_f, scale = create_model(TINY, attention_impl="xla").apply({"params": params}, images, tokens)
+    np.testing.assert_allclose(image_f, expected[0], atol=1e-5)
+    np.testing.assert_allclose(text_f, expected[1], atol=1e-5)
+    assert float(scale) == pytest.approx(expected[2], rel=1e-6)
 
 
 def test_the_core_imports_neither_tensorflow_nor_clu_nor_torch():

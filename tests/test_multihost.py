@@ -3,7 +3,6 @@ losses, same parameters; checkpoints cross the process count (the data position 
 dead process makes its peer exit."""
 
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints, data_iter_files,
 from clip_jax.data import make_shards
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.step_factory import build_step
-from test_train import TINY, losses, tiny_config
+from trainer_run import losses, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))
@@ -32,13 +31,11 @@ STEPS = 4  # 256 samples / (8 per device x 8 devices)
 
 
 @pytest.fixture(scope="module")
-def shard_data(tmp_path_factory):
+def shard_data(tmp_path_factory, trainer_model_file):
     out = tmp_path_factory.mktemp("mh")
-    model = out / "tiny.json"
-    model.write_text(json.dumps(TINY))
     samples = make_shards.fashion_mnist_samples("train", limit=256)
     paths = make_shards.write_shards(samples, str(out / "shards"), 32)
-    return make_shards.shard_pattern(paths), str(model)
+    return make_shards.shard_pattern(paths), trainer_model_file
 
 
 def config_for(shard_data, logs, **overrides):

@@ -13,12 +13,6 @@ from open_clip.model import CLIP as OpenClipCLIP
 from clip_jax.models import create_model, init_params
 from clip_jax.optim import clamp_logit_scale, create_optimizer, decay_mask, warmup_cosine_schedule
 
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
-
 # Written out by hand from OpenCLIP's rule: kernels, embeddings and projections decay; norms, biases,
 # class_embedding (1-D) and logit_scale do not.
 EXPECTED_DECAYED = {
@@ -47,8 +41,8 @@ def flat_names(tree):
 
 
 @pytest.fixture(scope="module")
-def tiny_params():
-    return init_params(create_model(TINY), jax.random.key(0))
+def tiny_params(tiny_model_config):
+    return init_params(create_model(tiny_model_config), jax.random.key(0))
 
 
 def test_decay_mask_on_the_model_tree_matches_hand_list(tiny_params):
@@ -60,9 +54,9 @@ def test_decay_mask_on_the_model_tree_matches_hand_list(tiny_params):
     assert mask["transformer/resblocks/mlp/c_fc/bias"] is False
 
 
-def test_decay_mask_decays_as_many_weights_as_open_clip(tiny_params):
+def test_decay_mask_decays_as_many_weights_as_open_clip(tiny_params, tiny_model_config):
     torch.manual_seed(0)
-    open_clip_model = OpenClipCLIP(**TINY)
+    open_clip_model = OpenClipCLIP(**tiny_model_config)
 
     def open_clip_excludes(name, p):  # the rule of OpenCLIP's training script
         return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name

@@ -11,13 +11,19 @@ from clip_jax.models import create_model, init_params
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.precision import POLICIES, cast_params, get_policy
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
-from test_train_step import TINY, random_batch
+
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
 
 
-def policy_model(name):
-    policy = get_policy(name)
-    return create_model(TINY, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+@pytest.fixture(scope="module")
+def policy_model(tiny_model_config):
+    """`policy_model(name)`: the tiny model computing and keeping its parameters as the policy says."""
+
+    def build(name):
+        policy = get_policy(name)
+        return create_model(tiny_model_config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+
+    return build
 
 
 def matmul_precisions(stablehlo: str) -> list[tuple[str, str]]:
@@ -36,22 +42,22 @@ def matmul_precisions(stablehlo: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def fp32_params():
+def fp32_params(policy_model):
     return jax.tree.map(np.asarray, init_params(policy_model("fp32"), jax.random.key(0)))
 
 
 @pytest.fixture(scope="module")
-def batch():
+def batch(random_batch):
     return random_batch(GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
-def steps(fp32_params, batch):
+def steps(fp32_params, batch, policy_model):
     """Per policy: (stablehlo of the step, state after one AdamW step, metrics), from the same weights."""
     mesh = create_mesh()
     results = {}
     for name in POLICIES:
-        step = build_step(StepSpec(TINY, name, optimizer=OptimizerSpec(lr=1e-3)), mesh)
+        step = build_step(StepSpec(policy_model("fp32").config, name, optimizer=OptimizerSpec(lr=1e-3)), mesh)
         state = step.state_from_params(cast_params(fp32_params, get_policy(name)))
         global_batch = make_global_batch(batch, mesh)
         lowered = step.update.lower(state, global_batch)
@@ -61,7 +67,7 @@ def steps(fp32_params, batch):
     return results
 
 
-def test_switching_policy_keeps_the_parameter_tree():
+def test_switching_policy_keeps_the_parameter_tree(policy_model):
     def abstract_params(name):
         model = policy_model(name)
         return jax.eval_shape(lambda rng: init_params(model, rng), jax.random.key(0))

@@ -17,9 +17,8 @@ from clip_jax.evaluation import evaluate_retrieval, load_retrieval_set, retrieva
 from clip_jax.evaluation.retrieval import first_images
 from clip_jax.models import create_model
 from clip_jax.parallel import create_mesh
-from open_clip_reference import TINY, open_clip_model, state_dict_numpy
+from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 
-TINY_77 = {**TINY, "text_cfg": {**TINY["text_cfg"], "context_length": 77, "vocab_size": 49408}}
 KS = (1, 2, 5, 10)
 
 

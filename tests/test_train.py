@@ -14,65 +14,19 @@ import pytest
 
 from clip_jax import train as train_lib
 from clip_jax import zeroshot
-from clip_jax.config import check_config, default_config
+from clip_jax.config import check_config
 from clip_jax.data import make_shards
+from trainer_run import losses, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tiny_model):
+def shards(tmp_path_factory, trainer_model_file):
     """2,048 Fashion-MNIST training images in 8 shards."""
     out = str(tmp_path_factory.mktemp("shards"))
     paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=2048), out, 256)
-    return make_shards.shard_pattern(paths), tiny_model
-
-
-def tiny_config(data, logs, **overrides):
-    """`data` is the (shard pattern, model .json) pair of the fixture."""
-    c = default_config()
-    c.train_data, c.model = data
-    c.train_num_samples = 2048
-    c.dataset_resampled = False
-    c.workers = 0
-    c.batch_size = 8  # x 8 devices = 64 per step, 32 steps per epoch
-    c.epochs = 1
-    c.lr = 3e-3
-    c.warmup = 4
-    c.precision = "fp32"
-    c.grad_checkpointing = False
-    c.logs = str(logs)
-    c.name = "run"
-    c.log_every_n_steps = 1
-    c.save_every_steps = 8
-    c.zeroshot_frequency = 0
-    c.report_to = "none"
-    for key, value in overrides.items():
-        c[key] = value
-    return c
-
-
-def losses(run_dir) -> dict[int, float]:
-    """Loss per step from metrics.jsonl; a step logged twice (before a crash and after resuming) keeps the last."""
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
-    return out
+    return make_shards.shard_pattern(paths), trainer_model_file
 
 
 def saved_steps(run_dir) -> list[int]:

@@ -14,18 +14,13 @@ from clip_jax.parallel import (batch_sharding, create_mesh, fsdp_data_size, fsdp
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 from clip_jax.train_step import TrainState, merge_micro_batches, split_micro_batches
 
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
 GLOBAL_BATCH = 32
 SGD_LR = 0.5  # plain SGD, so the parameter change is the gradient itself (Adam's first step is ~sign(grad))
 
 
 @pytest.fixture(scope="module")
-def model():
-    return create_model(TINY)
+def model(tiny_model_config):
+    return create_model(tiny_model_config)
 
 
 @pytest.fixture(scope="module")
@@ -33,27 +28,18 @@ def params(model):
     return jax.tree.map(np.asarray, init_params(model, jax.random.key(0)))
 
 
-def random_batch(rows: int) -> dict[str, np.ndarray]:
-    """Images and tokens for the TINY model (token ids below its vocabulary of 1000)."""
-    rng = np.random.default_rng(0)
-    return {
-        "images": rng.normal(size=(rows, 32, 32, 3)).astype(np.float32),
-        "tokens": rng.integers(1, 1000, size=(rows, 16)).astype(np.int32),
-    }
-
-
 @pytest.fixture(scope="module")
-def batch():
+def batch(random_batch):
     return random_batch(GLOBAL_BATCH)
 
 
 SGD = OptimizerSpec("sgd", lr=SGD_LR)
 
 
-def sgd_step(params, batch, *, n_devices, accum_steps=1, fsdp=False, remat_policy="none"):
-    """(params after one SGD step as numpy, metrics) on the first `n_devices` devices."""
+def sgd_step(config, params, batch, *, n_devices, accum_steps=1, fsdp=False, remat_policy="none"):
+    """(params after one SGD step of `config`'s model as numpy, metrics) on the first `n_devices` devices."""
     mesh = create_mesh(jax.devices()[:n_devices])
-    spec = StepSpec(TINY, remat_policy=remat_policy, fsdp=fsdp, optimizer=SGD, accum_steps=accum_steps)
+    spec = StepSpec(config, remat_policy=remat_policy, fsdp=fsdp, optimizer=SGD, accum_steps=accum_steps)
     step = build_step(spec, mesh)
     state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
@@ -77,13 +63,13 @@ def _get(tree, path):
 
 
 @pytest.fixture(scope="module")
-def one_device_step(params, batch):
-    return sgd_step(params, batch, n_devices=1)
+def one_device_step(model, params, batch):
+    return sgd_step(model.config, params, batch, n_devices=1)
 
 
 @pytest.fixture(scope="module")
-def eight_device_step(params, batch):
-    return sgd_step(params, batch, n_devices=8)
+def eight_device_step(model, params, batch):
+    return sgd_step(model.config, params, batch, n_devices=8)
 
 
 def test_eight_devices_equal_one_device(params, one_device_step, eight_device_step):
@@ -99,24 +85,24 @@ def test_eight_devices_equal_one_device(params, one_device_step, eight_device_st
     assert metrics_1["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
-def test_fsdp_equals_replicated(params, batch, eight_device_step):
-    after, metrics = sgd_step(params, batch, n_devices=8, fsdp=True)
+def test_fsdp_equals_replicated(model, params, batch, eight_device_step):
+    after, metrics = sgd_step(model.config, params, batch, n_devices=8, fsdp=True)
     assert_same_update(params, after, eight_device_step[0])
     assert metrics["loss"] == pytest.approx(eight_device_step[1]["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("accum_steps", [4])  # micro-batches of one row per device
-def test_accumulation_with_fsdp_and_remat_equals_full_batch(params, batch, eight_device_step, accum_steps):
-    after, metrics = sgd_step(params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True,
+def test_accumulation_with_fsdp_and_remat_equals_full_batch(model, params, batch, eight_device_step, accum_steps):
+    after, metrics = sgd_step(model.config, params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True,
                               remat_policy="nothing_saveable")
     assert_same_update(params, after, eight_device_step[0])
     for name in ("loss", "accuracy", "logit_scale", "grad_norm"):
         assert metrics[name] == pytest.approx(eight_device_step[1][name], rel=1e-5), name
 
 
-def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(params, batch):
+def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(model, params, batch):
     adamw = OptimizerSpec(lr=1e-3, warmup=5, total_steps=100, weight_decay=0.2, grad_clip_norm=1.0)
-    step = build_step(StepSpec(TINY, fsdp=True, optimizer=adamw), create_mesh())
+    step = build_step(StepSpec(model.config, fsdp=True, optimizer=adamw), create_mesh())
     mesh = step.mesh
     start = {**params, "logit_scale": np.float32(4.7)}  # above ln(100): the step must clamp it
     state = step.state_from_params(start)
@@ -152,8 +138,8 @@ def test_micro_batches_take_rows_from_every_shard_and_merge_back():
     np.testing.assert_array_equal(merge_micro_batches(micro, n_shards=4), x)
 
 
-def test_batch_not_divisible_by_devices_times_micro_batches_is_rejected(params, batch):
-    step = build_step(StepSpec(TINY, optimizer=SGD, accum_steps=3), create_mesh())
+def test_batch_not_divisible_by_devices_times_micro_batches_is_rejected(model, params, batch):
+    step = build_step(StepSpec(model.config, optimizer=SGD, accum_steps=3), create_mesh())
     with pytest.raises(ValueError, match="divisible by devices x accum_steps = 8 x 3"):
         step(step.state_from_params(params), make_global_batch(batch, step.mesh))
 
@@ -178,12 +164,12 @@ def test_fsdp_spec_splits_the_largest_divisible_dim_and_keeps_layers_and_small_l
     assert fsdp_spec((1024, 4096), 1) == P()
 
 
-def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows():
+def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows(tiny_model_config):
     vit_l_14 = param_shapes(create_model("ViT-L-14"))
     assert fsdp_data_size(vit_l_14, 384) == 128  # 1024 and 4096 divide by 128, not by 384 (= 3 x 128)
     assert fsdp_data_size(vit_l_14, 256) == 256  # a power of two: every leaf splits, the mesh stays 1-D
     devices = jax.devices()[:6]
-    mesh = create_mesh(devices, fsdp_params=param_shapes(create_model(TINY)))  # widths 32 and 64: 2 of 6
+    mesh = create_mesh(devices, fsdp_params=param_shapes(create_model(tiny_model_config)))  # widths 32 and 64: 2 of 6
     assert dict(mesh.shape) == {"replica": 3, "data": 2}
     assert list(mesh.devices.flat) == devices  # the same order: the batch lands where a 1-D mesh puts it
     assert dict(create_mesh(devices).shape) == {"data": 6}  # without FSDP, no grid
@@ -193,13 +179,13 @@ def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows():
     assert fsdp_leaf_spec(mesh, (2, 64, 256), stacked=True) == P(None, None, "data")
 
 
-def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
+def test_fsdp_on_a_replica_grid_equals_replicated(model, params, random_batch):
     """6 devices, weights of width 32 and 64: most leaves split 2 ways over a 3 x 2 grid. One SGD step equals the
     replicated step on the same devices, leaf by leaf; the state is split as the grid says."""
     batch, devices = random_batch(24), jax.devices()[:6]
 
     def step_on(mesh, fsdp):  # (the c_fc kernel's spec and shard shape, params after one step, metrics)
-        step = build_step(StepSpec(TINY, fsdp=fsdp, optimizer=SGD), mesh)
+        step = build_step(StepSpec(model.config, fsdp=fsdp, optimizer=SGD), mesh)
         state = step.state_from_params(params)
         kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [2, 64, 256]
         layout = kernel.sharding.spec, kernel.addressable_shards[0].data.shape
@@ -213,12 +199,12 @@ def test_fsdp_on_a_replica_grid_equals_replicated(model, params):
     assert float(metrics["loss"]) == pytest.approx(float(expected_metrics["loss"]), rel=1e-6)
 
 
-def test_step_spec_refuses_what_no_step_compiles():
+def test_step_spec_refuses_what_no_step_compiles(tiny_model_config):
     for fields, message in [({"precision": "fp16"}, "unknown precision policy 'fp16'"),
                             ({"attention_impl": "auto"}, "resolve 'auto'"), ({"accum_steps": 0}, "accum_steps"),
                             ({"loss": "siglip"}, "loss 'siglip'")]:
         with pytest.raises(ValueError, match=message):
-            StepSpec(TINY, **fields)
+            StepSpec(tiny_model_config, **fields)
     with pytest.raises(ValueError, match="optimizer 'lamb'"):
         OptimizerSpec("lamb")
 

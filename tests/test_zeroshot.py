@@ -35,10 +35,8 @@ from clip_jax.evaluation.sources import ArraySource
 from clip_jax.evaluation.prompts import class_prompts
 from clip_jax.models import create_model
 from clip_jax.parallel import create_mesh
-from open_clip_reference import TINY, open_clip_model, state_dict_numpy
+from open_clip_reference import TINY, TINY_77, open_clip_model, state_dict_numpy
 
-# Real token ids need the full vocabulary and context; the towers stay tiny.
-TINY_77 = {**TINY, "text_cfg": {**TINY["text_cfg"], "context_length": 77, "vocab_size": 49408}}
 SOME_CLASSES = ["tench", "great white shark", "potter's wheel", "Dungeness crab", "T-shirt", "missile",
                 "ping-pong ball"]
 

@@ -25,6 +25,7 @@ from PIL import Image
 
 from clip_jax.data import shards as shards_lib
 from clip_jax.data import transforms, webdataset
+from clip_jax.errors import UserError
 
 SIDE_BINS = (0, 64, 128, 256, 512, 1024, 2048)  # histogram of the shorter image side
 CHAR_BINS = (0, 10, 20, 50, 100, 200, 500, 1000)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args.pattern, workers=args.workers, max_shards=args.max_shards,
                      context_length=args.context_length, decode=not args.no_decode)
-    except shards_lib.ShardPatternError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(summary(report, args.context_length))

@@ -13,6 +13,8 @@ import struct
 
 import numpy as np
 
+from clip_jax.errors import InvalidInput, MissingInput
+
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
 SPLITS = {"train": "train", "test": "t10k"}
 
@@ -75,7 +77,7 @@ def captions(labels: np.ndarray, seed: int) -> list[str]:
             for label, t, s in zip(labels, templates, synonyms)]
 
 
-class FashionMNISTNotFoundError(FileNotFoundError):
+class FashionMNISTNotFoundError(MissingInput):
     pass
 
 
@@ -84,7 +86,7 @@ def _read_idx(path: str) -> np.ndarray:
         data = f.read()
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path} is not an idx file of unsigned bytes")
+        raise InvalidInput(f"{path} is not an idx file of unsigned bytes")
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
@@ -92,7 +94,7 @@ def _read_idx(path: str) -> np.ndarray:
 def load(split: str, root: str = DEFAULT_DIR) -> tuple[np.ndarray, np.ndarray]:
     """Images uint8 [N, 28, 28] and labels uint8 [N] of ``split`` ("train" or "test")."""
     if split not in SPLITS:
-        raise ValueError(f"unknown Fashion-MNIST split {split!r}; use one of {sorted(SPLITS)}")
+        raise InvalidInput(f"unknown Fashion-MNIST split {split!r}; use one of {sorted(SPLITS)}")
     prefix = os.path.join(root, SPLITS[split])
     paths = (f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz")
     missing = [p for p in paths if not os.path.exists(p)]
@@ -103,5 +105,5 @@ def load(split: str, root: str = DEFAULT_DIR) -> tuple[np.ndarray, np.ndarray]:
         )
     images, labels = _read_idx(paths[0]), _read_idx(paths[1])
     if len(images) != len(labels):
-        raise ValueError(f"{len(images)} images but {len(labels)} labels in {root}")
+        raise InvalidInput(f"{len(images)} images but {len(labels)} labels in {root}")
     return images, labels

@@ -26,6 +26,7 @@ from typing import NamedTuple
 from PIL import Image
 
 from clip_jax.data import fashion_mnist
+from clip_jax.errors import InvalidInput, MissingInput, UserError
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes
@@ -102,7 +103,7 @@ def write_shard(samples: list[Sample], out_dir: str, shard_index: int) -> str:
 def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int = ROWS_PER_SHARD_MAX) -> list[str]:
     """Writes ``samples`` into ``out_dir/00000.tar, 00001.tar, ...``; returns the tar paths."""
     if not 1 <= samples_per_shard <= ROWS_PER_SHARD_MAX:
-        raise ValueError(f"samples_per_shard must be in [1, {ROWS_PER_SHARD_MAX}], got {samples_per_shard}")
+        raise InvalidInput(f"samples_per_shard must be in [1, {ROWS_PER_SHARD_MAX}], got {samples_per_shard}")
     os.makedirs(out_dir, exist_ok=True)
     paths, pending = [], []
     for sample in samples:
@@ -161,14 +162,15 @@ def read_captions_file(path: str) -> dict[str, str]:
                         record = json.loads(line)
                         captions[record["image"]] = record["caption"]
                     except (ValueError, KeyError) as e:
-                        raise ValueError(f"{path}:{line_number}: expected {{\"image\": ..., \"caption\": ...}}") from e
+                        raise InvalidInput(
+                            f"{path}:{line_number}: expected {{\"image\": ..., \"caption\": ...}}") from e
         else:
             delimiter = "\t" if path.endswith(".tsv") else ","
             for line_number, row in enumerate(csv.reader(f, delimiter=delimiter), 1):
                 if not row or (line_number == 1 and [c.lower() for c in row[:2]] == ["image", "caption"]):
                     continue
                 if len(row) < 2:
-                    raise ValueError(f"{path}:{line_number}: expected two columns, image path and caption")
+                    raise InvalidInput(f"{path}:{line_number}: expected two columns, image path and caption")
                 captions[row[0]] = row[1]
     return captions
 
@@ -181,7 +183,7 @@ def image_folder_samples(folder: str, captions_file: str | None = None,
     re-encodes as JPEG; otherwise the original bytes are kept.
     """
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"image folder {folder!r} does not exist")
+        raise MissingInput(f"image folder {folder!r} does not exist")
     captions = read_captions_file(captions_file) if captions_file else None
     paths = sorted(
         os.path.relpath(os.path.join(d, name), folder)
@@ -189,7 +191,7 @@ def image_folder_samples(folder: str, captions_file: str | None = None,
         if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
     )
     if not paths:
-        raise FileNotFoundError(f"no .jpg/.jpeg/.png/.webp image under {folder!r}")
+        raise MissingInput(f"no .jpg/.jpeg/.png/.webp image under {folder!r}")
     without_caption = 0
     for rel in paths:
         full = os.path.join(folder, rel)
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for out_dir, samples in jobs:
             paths = write_shards(samples, out_dir, args.samples_per_shard)
             print(f"wrote {len(paths)} shards to {out_dir}: {shard_pattern(paths)}")
-    except (FileNotFoundError, ValueError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

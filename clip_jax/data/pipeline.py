@@ -20,6 +20,7 @@ import numpy as np
 
 from clip_jax.data import shards as shards_lib
 from clip_jax.data import transforms, webdataset
+from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Collate:
 
 def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
     if global_batch_size % process_count:
-        raise ValueError(f"global batch size {global_batch_size} is not divisible by {process_count} processes")
+        raise InvalidInput(f"global batch size {global_batch_size} is not divisible by {process_count} processes")
     return global_batch_size // process_count
 
 
@@ -137,14 +138,14 @@ def build_train_dataset(
     batch_size = per_process_batch_size(global_batch_size, process_count)
     shard_list = shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
     if cfg.weights is not None and not cfg.resampled:
-        raise ValueError("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
+        raise InvalidInput("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
     ds = webdataset.TarShardDataset(
         shard_list, resampled=cfg.resampled, seed=cfg.seed, process_index=process_index,
         process_count=process_count, shuffle_window=cfg.shuffle_window, shards_in_flight=cfg.shards_in_flight,
     )
     streams = process_count * max(cfg.workers, 1)
     if not cfg.resampled and len(shard_list) < streams:
-        raise ValueError(
+        raise InvalidInput(
             f"epoch mode needs at least one shard per process x worker: {len(shard_list)} shards for "
             f"{process_count} processes x {max(cfg.workers, 1)} workers; use resampled mode or fewer workers"
         )
@@ -219,7 +220,7 @@ def steps_per_epoch(cfg: TrainDataConfig, global_batch_size: int) -> int:
     if num_samples is None:
         num_samples = count_samples(shards_lib.resolve_shards(cfg.shards, check_exists=cfg.check_shards_exist))
     if num_samples is None:
-        raise ValueError(
+        raise InvalidInput(
             f"cannot tell the epoch size of {cfg.shards!r}: set train_num_samples (no *_stats.json next to the shards)"
         )
     workers = max(1, cfg.workers)

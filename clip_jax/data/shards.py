@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from clip_jax.errors import InvalidInput
+
 log = logging.getLogger(__name__)
 
 SOURCE_SEPARATOR = "::"
@@ -30,7 +32,7 @@ _ALPHA_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])$")
 _GLOB_CHARS = ("*", "?", "[")
 
 
-class ShardPatternError(ValueError):
+class ShardPatternError(InvalidInput):
     """A shard pattern that cannot be expanded or that matches no shard."""
 
 
@@ -287,7 +289,7 @@ class ShardOrder:
         order = cls(len(weights), cumulative, resampled, int(seed), process_index, process_count, worker_index,
                     worker_count)
         if not resampled and order.shards_per_epoch == 0:
-            raise ValueError(
+            raise InvalidInput(
                 f"{len(weights)} shards cannot be split over {process_count} processes x {worker_count} workers in "
                 "epoch mode: use resampled mode, fewer workers, or more shards"
             )

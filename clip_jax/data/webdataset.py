@@ -21,6 +21,7 @@ import numpy as np
 
 from clip_jax.data import shards as shards_lib
 from clip_jax.data import tar_format
+from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class TarShardDataset(grain.IterDataset):
     ):
         super().__init__()
         if shuffle_window < 1 or shards_in_flight < 1:
-            raise ValueError(
+            raise InvalidInput(
                 f"shuffle_window ({shuffle_window}) and shards_in_flight ({shards_in_flight}) must be >= 1"
             )
         self.shard_list = shard_list

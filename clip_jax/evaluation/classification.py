@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import classification_batches
 from clip_jax.evaluation.classifier import classifier_from_tokens, prompt_tokens, zeroshot_logits
 from clip_jax.evaluation.datasets import ClassificationSet
@@ -54,10 +55,10 @@ class ZeroShotEvaluator:
                  text_batch_size: int = 1024, num_threads: int | None = None):
         process_count = jax.process_count()
         if batch_size % mesh.size or batch_size % process_count:
-            raise ValueError(f"eval batch size {batch_size} must be a multiple of the {mesh.size} devices (and of the "
-                             f"{process_count} processes)")
+            raise InvalidInput(f"eval batch size {batch_size} must be a multiple of the {mesh.size} devices (and of "
+                               f"the {process_count} processes)")
         if len(dataset) == 0:
-            raise ValueError(f"zero-shot dataset {dataset.name} has no images")
+            raise InvalidInput(f"zero-shot dataset {dataset.name} has no images")
         self.model, self.dataset, self.mesh = model, dataset, mesh
         self.encoder = ShardedEncoder(model, mesh)
         self.mean, self.std, self.ks = tuple(mean), tuple(std), tuple(ks)
@@ -87,8 +88,8 @@ class ZeroShotEvaluator:
             classifier = self.classifier(params, progress=progress)
         num_classes = classifier.shape[1]
         if num_classes != len(self.dataset.class_names):
-            raise ValueError(f"the classifier has {num_classes} classes but {self.dataset.name} has "
-                             f"{len(self.dataset.class_names)} class names")
+            raise InvalidInput(f"the classifier has {num_classes} classes but {self.dataset.name} has "
+                               f"{len(self.dataset.class_names)} class names")
         ks = tuple(k for k in self.ks if k <= num_classes)
         classifier = replicate(np.asarray(classifier, np.float32), self.mesh)
         counts = [_count_correct(self.mesh, ks, features, classifier, labels, valid)
@@ -119,8 +120,8 @@ class ZeroShotEvaluator:
             labels = batch["labels"][batch["valid"]]
             bad = labels[(labels < 0) | (labels >= num_classes)]
             if bad.size:
-                raise ValueError(f"{name} has label {int(bad[0])} but {num_classes} class names (labels "
-                                 f"0..{num_classes - 1}): give one class name per label")
+                raise InvalidInput(f"{name} has label {int(bad[0])} but {num_classes} class names (labels "
+                                   f"0..{num_classes - 1}): give one class name per label")
             batch = make_global_batch(batch, self.mesh)
             # the image tower compiles once per shape
             yield self.encoder.image_features(params, batch["images"]), batch["labels"], batch["valid"]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.models import l2_normalize
@@ -25,8 +26,8 @@ def check_vocabulary(model) -> None:
     """Refuses a text tower too small for the tokenizer's vocabulary."""
     vocab_size = model.config.text.vocab_size
     if vocab_size < VOCAB_SIZE:
-        raise ValueError(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
-                         f"{VOCAB_SIZE} of the tokenizer; it cannot encode prompts or captions")
+        raise InvalidInput(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
+                           f"{VOCAB_SIZE} of the tokenizer; it cannot encode prompts or captions")
 
 
 def tokenize_for(model, texts: Sequence[str]) -> np.ndarray:
@@ -45,11 +46,11 @@ def _class_embeddings(features, num_classes, num_templates):
 def check_prompts(prompts: Sequence[Sequence[str]]) -> None:
     """Refuses `prompts` [C][T] with no classes, or with classes of different (or no) numbers of prompts."""
     if not prompts:
-        raise ValueError("no classes to build a zero-shot classifier for")
+        raise InvalidInput("no classes to build a zero-shot classifier for")
     num_templates = len(prompts[0])
     if num_templates == 0 or any(len(p) != num_templates for p in prompts):
-        raise ValueError("every class needs the same, non-zero number of prompts; got "
-                         f"{sorted({len(p) for p in prompts})}")
+        raise InvalidInput("every class needs the same, non-zero number of prompts; got "
+                           f"{sorted({len(p) for p in prompts})}")
 
 
 def prompt_tokens(model, prompts: Sequence[Sequence[str]]) -> np.ndarray:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from clip_jax.data import fashion_mnist
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import prompts as prompts_lib
 from clip_jax.evaluation.sources import ArraySource, ImageFolderSource, TfdsSource
 
@@ -32,7 +33,7 @@ class ClassificationSet:
 
     def __post_init__(self):
         if len(self.prompts) != len(self.class_names):
-            raise ValueError(f"{self.name}: {len(self.prompts)} prompt lists for {len(self.class_names)} classes")
+            raise InvalidInput(f"{self.name}: {len(self.prompts)} prompt lists for {len(self.class_names)} classes")
 
     def __len__(self) -> int:
         return len(self.source)
@@ -59,8 +60,8 @@ def _class_names(found: Sequence[str], given: Sequence[str] | None, where: str) 
     if given is None:
         return prompts_lib.readable_class_names(found)
     if len(given) != len(found):
-        raise ValueError(f"{len(given)} class names were given for the {len(found)} classes of {where}; give one "
-                         "name per class, in label order")
+        raise InvalidInput(f"{len(given)} class names were given for the {len(found)} classes of {where}; give one "
+                           "name per class, in label order")
     return tuple(given)
 
 
@@ -80,8 +81,8 @@ def tfds_set(dataset: str, *, split: str = "test", data_dir: str | None = None,
     except (KeyError, AttributeError) as e:
         if class_names is not None:
             raise
-        raise ValueError(f"TFDS dataset {dataset!r} has no class names in its label feature {label_key!r} "
-                         f"({type(e).__name__}: {e}); give them with --class-names") from e
+        raise InvalidInput(f"TFDS dataset {dataset!r} has no class names in its label feature {label_key!r} "
+                           f"({type(e).__name__}: {e}); give them with --class-names") from e
     names = _class_names(source.class_names, class_names, f"TFDS dataset {dataset!r}")
     templates = prompts_lib.templates("openai_imagenet") if templates is None else templates
     return ClassificationSet(f"{dataset}:{split}", source, names, prompts_lib.class_prompts(names, templates))
@@ -99,10 +100,10 @@ def open_classification_set(kind: str, location: str | None = None, **options) -
     """`kind` is one of `KINDS`; `location` is the folder (imagenet-val), the dataset name (tfds), or the
     Fashion-MNIST folder (demo, optional). `options` go to `image_folder_set`, `tfds_set` or `demo_set`."""
     if kind not in KINDS:
-        raise ValueError(f"unknown zero-shot dataset kind {kind!r}; choose one of {', '.join(KINDS)}")
+        raise InvalidInput(f"unknown zero-shot dataset kind {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "demo":
         return demo_set(**options) if location is None else demo_set(root=location, **options)
     if not location:
         what = "an image folder" if kind == "imagenet-val" else "a TFDS dataset name"
-        raise ValueError(f"zero-shot dataset {kind!r} needs {what}")
+        raise InvalidInput(f"zero-shot dataset {kind!r} needs {what}")
     return image_folder_set(location, **options) if kind == "imagenet-val" else tfds_set(location, **options)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from clip_jax.errors import InvalidInput
+
 
 def label_ranks(logits, labels):
     """Rank of each row's label among its classes: logits [B, C], labels int [B] -> int32 [B] (C for a NaN)."""
@@ -64,13 +66,13 @@ def check_pairs(num_images: int, num_texts: int, caption_image: np.ndarray) -> n
     """`caption_image` as int64 [T], checked: every entry names an image, every image has a caption."""
     caption_image = np.asarray(caption_image, np.int64)
     if caption_image.shape != (num_texts,):
-        raise ValueError(f"caption_image has shape {caption_image.shape}; expected ({num_texts},), one image index "
+        raise InvalidInput(f"caption_image has shape {caption_image.shape}; expected ({num_texts},), one image index "
                          "per caption")
     if num_texts and (caption_image.min() < 0 or caption_image.max() >= num_images):
-        raise ValueError(f"caption_image holds indices outside [0, {num_images}): there are {num_images} images")
+        raise InvalidInput(f"caption_image holds indices outside [0, {num_images}): there are {num_images} images")
     without = np.setdiff1d(np.arange(num_images), caption_image)
     if without.size:
-        raise ValueError(f"{without.size} image(s) have no caption (first: image {without[0]}); image->text recall "
+        raise InvalidInput(f"{without.size} image(s) have no caption (first: image {without[0]}); image->text recall "
                          "needs at least one caption per image")
     return caption_image
 

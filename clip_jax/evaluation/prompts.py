@@ -12,6 +12,8 @@ import importlib.resources
 import json
 from collections.abc import Sequence
 
+from clip_jax.errors import InvalidInput, MissingInput
+
 TEMPLATE_SETS = ("openai_imagenet", "simple_imagenet")
 
 
@@ -34,7 +36,7 @@ def templates(name: str = "openai_imagenet") -> tuple[str, ...]:
     """A named set of prompt templates (see `TEMPLATE_SETS`)."""
     sets = _read_json("prompt_templates.json")
     if name not in sets:
-        raise ValueError(f"unknown prompt template set {name!r}; choose one of {', '.join(sorted(sets))}, or give a "
+        raise InvalidInput(f"unknown prompt template set {name!r}; choose one of {', '.join(sorted(sets))}, or give a "
                          "file of templates (a JSON list, or one template per line, each with one '{}')")
     return tuple(sets[name])
 
@@ -49,10 +51,10 @@ def check_templates(templates_: Sequence[str]) -> tuple[str, ...]:
     """Templates as a tuple, each holding exactly one `{}`."""
     templates_ = tuple(templates_)
     if not templates_:
-        raise ValueError("no prompt templates given")
+        raise InvalidInput("no prompt templates given")
     bad = [t for t in templates_ if not isinstance(t, str) or t.count("{}") != 1]
     if bad:
-        raise ValueError(f"prompt template {bad[0]!r} must contain exactly one '{{}}' where the class name goes")
+        raise InvalidInput(f"prompt template {bad[0]!r} must contain exactly one '{{}}' where the class name goes")
     return templates_
 
 
@@ -68,10 +70,10 @@ def read_lines_or_json(path: str, what: str) -> tuple[str, ...]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} file {path} does not exist") from None
+        raise MissingInput(f"{what} file {path} does not exist") from None
     if path.endswith(".json"):
         items = json.loads(text)
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-            raise ValueError(f"{what} file {path} must hold a JSON list of strings")
+            raise InvalidInput(f"{what} file {path} must hold a JSON list of strings")
         return tuple(items)
     return tuple(line.strip() for line in text.splitlines() if line.strip())

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.classifier import tokenize_for
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
@@ -50,8 +51,8 @@ def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: Retr
     if bar is not None:
         bar.close()
     if count != retrieval_set.num_images:
-        raise ValueError(f"the retrieval shards yielded {count} images, {retrieval_set.num_images} expected: they "
-                         "changed while being read")
+        raise InvalidInput(f"the retrieval shards yielded {count} images, {retrieval_set.num_images} expected: they "
+                           "changed while being read")
     return np.concatenate(features)
 
 

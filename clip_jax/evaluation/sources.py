@@ -15,8 +15,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from clip_jax.data import tar_format, transforms, webdataset
 from clip_jax.data import shards as shards_lib
+from clip_jax.data import tar_format, transforms, webdataset
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation.batches import eval_image
 
 FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -28,18 +29,18 @@ class ImageFolderSource(grain.sources.RandomAccessDataSource):
 
     def __init__(self, root: str):
         if not os.path.isdir(root):
-            raise FileNotFoundError(f"image folder {root!r} does not exist")
+            raise MissingInput(f"image folder {root!r} does not exist")
         self.root = root
         self.class_names = tuple(sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")))
         if not self.class_names:
-            raise FileNotFoundError(f"no class folders in {root!r}: expected root/class_name/image.jpg")
+            raise MissingInput(f"no class folders in {root!r}: expected root/class_name/image.jpg")
         items = []
         for label, name in enumerate(self.class_names):
             for folder, _, files in sorted(os.walk(os.path.join(root, name))):
                 items.extend((os.path.join(folder, f), label) for f in sorted(files)
                              if f.lower().endswith(FOLDER_IMAGE_EXTENSIONS) and not f.startswith("."))
         if not items:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"no images ({', '.join(FOLDER_IMAGE_EXTENSIONS)}) in the class folders of {root!r}"
             )
         self.items = items
@@ -65,7 +66,7 @@ class TfdsSource(grain.sources.RandomAccessDataSource):
             self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False,
                                             decoders={image_key: tfds.decode.SkipDecoding()})
         except Exception as e:  # noqa: BLE001 - tfds raises several kinds for a missing or unprepared dataset
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"cannot open TFDS dataset {name!r} split {split!r} in {data_dir or 'the default data_dir'}: {e}. "
                 "Prepare it first in ArrayRecord format (e.g. `tfds build NAME --file_format=array_record`)"
             ) from e
@@ -86,7 +87,7 @@ class ArraySource:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray):
         if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            raise InvalidInput(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
@@ -141,8 +142,8 @@ class RetrievalSet:
             try:
                 batch.append(eval_image(image, image_size))
             except transforms.ImageDecodeError as e:
-                raise ValueError(f"corrupt image {where} in a retrieval set ({e}): fix or drop it (see "
-                                 "`python -m clip_jax.data.check`)") from e
+                raise InvalidInput(f"corrupt image {where} in a retrieval set ({e}): fix or drop it (see "
+                                   "`python -m clip_jax.data.check`)") from e
             if len(batch) == batch_size:
                 yield transforms.normalize(np.stack(batch), mean, std)
                 batch = []
@@ -160,5 +161,5 @@ def load_retrieval_set(pattern: str) -> RetrievalSet:
         owners.extend([num_images] * len(image_captions))
         num_images += 1
     if not num_images:
-        raise ValueError(f"no image with a caption in {pattern!r}")
+        raise InvalidInput(f"no image with a caption in {pattern!r}")
     return RetrievalSet(urls, tuple(captions), np.asarray(owners, np.int32), num_images)

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, get_model_config
 from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, LayerNorm, Transformer, resolve_remat_policy
 from clip_jax.models.vit import VisionTransformer
@@ -89,7 +90,7 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
     if attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+        raise InvalidInput(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
     return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl)
 
 

@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from clip_jax.errors import InvalidInput, MissingInput
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -51,9 +53,9 @@ class CLIPConfig:
     def __post_init__(self):
         for tower in (self.vision, self.text):
             if tower.width % tower.heads:
-                raise ValueError(f"{self.name}: width {tower.width} is not divisible by {tower.heads} heads")
+                raise InvalidInput(f"{self.name}: width {tower.width} is not divisible by {tower.heads} heads")
         if self.vision.image_size % self.vision.patch_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"{self.name}: image_size {self.vision.image_size} is not a multiple of "
                 f"patch_size {self.vision.patch_size}"
             )
@@ -129,30 +131,30 @@ def list_models() -> list[str]:
 def _check_tower(cfg: Mapping[str, Any], known: set[str], tower: str, where: str) -> None:
     unknown = set(cfg) - known - _IGNORED_KEYS
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} in {tower}; known keys are {sorted(known)}")
+        raise InvalidInput(f"{where}: unknown key(s) {sorted(unknown)} in {tower}; known keys are {sorted(known)}")
     for key, default in _DEFAULTS_WE_BUILD.items():
         value = cfg.get(key, default)
         if value != default and not (value is None and default is False):
-            raise ValueError(
+            raise InvalidInput(
                 f"{where}: {tower}.{key}={cfg[key]!r} describes an architecture clip_jax does not build "
                 f"(supported: {default!r})"
             )
     if "pool_type" in cfg and cfg["pool_type"] not in _POOL_TYPES[tower.split("_")[0]]:
-        raise ValueError(f"{where}: {tower}.pool_type={cfg['pool_type']!r} is not supported")
+        raise InvalidInput(f"{where}: {tower}.pool_type={cfg['pool_type']!r} is not supported")
 
 
 def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPConfig:
     """Builds a `CLIPConfig` from a dict in OpenCLIP's model-config JSON format."""
     missing = {"embed_dim", "vision_cfg", "text_cfg"} - set(cfg)
     if missing:
-        raise ValueError(f"model config {name!r} lacks {sorted(missing)} (OpenCLIP's format has embed_dim, "
+        raise InvalidInput(f"model config {name!r} lacks {sorted(missing)} (OpenCLIP's format has embed_dim, "
                          "vision_cfg and text_cfg)")
     unknown = set(cfg) - {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "custom_text", "init_logit_scale",
                           "init_logit_bias", "cast_dtype", "multimodal_cfg"}
     if unknown:
-        raise ValueError(f"model config {name!r}: unknown top-level key(s) {sorted(unknown)}")
+        raise InvalidInput(f"model config {name!r}: unknown top-level key(s) {sorted(unknown)}")
     if "multimodal_cfg" in cfg:
-        raise ValueError(f"model config {name!r} is a CoCa model (multimodal_cfg); clip_jax builds two-tower CLIP")
+        raise InvalidInput(f"model config {name!r} is a CoCa model (multimodal_cfg); clip_jax builds two-tower CLIP")
     v, t = dict(cfg["vision_cfg"]), dict(cfg["text_cfg"])
     _check_tower(v, _VISION_KEYS, "vision_cfg", name)
     _check_tower(t, _TEXT_KEYS, "text_cfg", name)
@@ -175,9 +177,9 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPC
             mlp_width=int(t_width * float(t.get("mlp_ratio", 4.0))),
         )
     except KeyError as e:
-        raise ValueError(f"model config {name!r} lacks required key {e.args[0]!r}") from None
+        raise InvalidInput(f"model config {name!r} lacks required key {e.args[0]!r}") from None
     if isinstance(v.get("image_size"), (list, tuple)):
-        raise ValueError(f"model config {name!r}: non-square image_size is not supported")
+        raise InvalidInput(f"model config {name!r}: non-square image_size is not supported")
     return CLIPConfig(embed_dim=int(cfg["embed_dim"]), vision=vision, text=text,
                       quick_gelu=bool(cfg.get("quick_gelu", False)), name=name)
 
@@ -191,11 +193,11 @@ def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CL
     name = os.fspath(name_or_config)
     if name.endswith(".json"):
         if not os.path.exists(name):
-            raise FileNotFoundError(f"model config file {name} does not exist")
+            raise MissingInput(f"model config file {name} does not exist")
         with open(name) as f:
             return config_from_open_clip(json.load(f), name=os.path.basename(name)[: -len(".json")])
     base, quick = (name[: -len("-quickgelu")], True) if name.endswith("-quickgelu") else (name, False)
     if base not in _OPEN_CLIP_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "
+        raise InvalidInput(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "
                          "-quickgelu), or pass an OpenCLIP model-config .json file or dict")
     return config_from_open_clip({**_OPEN_CLIP_CONFIGS[base], "quick_gelu": quick}, name=name)

@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from clip_jax.errors import InvalidInput
+
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 # cuDNN's fused attention takes sequence lengths that are multiples of this (ViT-L/14's 257 tokens and the text
@@ -31,7 +33,7 @@ def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | Non
         sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
     if asked is None or asked not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl={asked!r}: choose auto, xla or cudnn")
+        raise InvalidInput(f"attention_impl={asked!r}: choose auto, xla or cudnn")
     return asked
 
 
@@ -48,7 +50,7 @@ def resolve_remat_policy(name: str):
     if name == "none":
         return None
     if name not in remat_policy_names():
-        raise ValueError(f"unknown remat_policy {name!r}; choose one of {remat_policy_names()}")
+        raise InvalidInput(f"unknown remat_policy {name!r}; choose one of {remat_policy_names()}")
     return getattr(jax.checkpoint_policies, name)
 
 

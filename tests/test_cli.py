@@ -1,0 +1,68 @@
+"""The entry points tell a user's mistake in one line and exit 2; a bug in clip_jax keeps its traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from clip_jax import convert, similarity, zeroshot
+from clip_jax.data import check, make_shards
+from clip_jax.errors import InvalidInput
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing
+
+# (module, the function main hands the work to, argv, exit status for a user error)
+CLIS = [
+    (convert, "read_arrays", ["src.npz", "dst.npz", "--model", "ViT-B-32"], 2),
+    (similarity, "create_model", [], 2),
+    (zeroshot, "run", ["--model", "ViT-B-32", "--demo"], 2),
+    (make_shards, "fashion_mnist_samples", ["fashion-mnist", "--out", "out"], 1),
+    (check, "run", ["shards/{0..1}.tar"], 1),
+]
+
+
+def raising(error):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize("module, inner, argv, status", CLIS, ids=[c[0].__name__ for c in CLIS])
+def test_a_user_error_is_one_line_and_an_internal_error_keeps_its_traceback(module, inner, argv, status, monkeypatch,
+                                                                            capsys):
+    monkeypatch.setattr(module, inner, raising(InvalidInput("the value you gave is wrong")))
+    assert module.main(argv) == status
+    assert capsys.readouterr().err == "error: the value you gave is wrong\n"
+
+    monkeypatch.setattr(module, inner, raising(ValueError("a bug inside clip_jax")))
+    with pytest.raises(ValueError, match="a bug inside clip_jax"):
+        module.main(argv)
+
+
+def run_cli(module, *args):
+    env = dict(os.environ, CLIP_JAX_TEST_CONFIG=json.dumps({}))
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.parametrize("module", ["clip_jax.train", "clip_jax.plan"])
+def test_a_mistyped_config_override_names_the_closest_field(module):
+    done = run_cli(module, f"--config={TRAIN_CONFIG}", "--config.lrr=1")
+    assert done.returncode == 2
+    assert done.stderr == "error: --config.lrr: no such config field; did you mean 'lr'?\n"
+
+
+def test_an_override_of_the_wrong_type_is_one_line():
+    done = run_cli("clip_jax.train", f"--config={TRAIN_CONFIG}", "--config.lr=abc")
+    assert done.returncode == 2
+    assert done.stderr == "error: --config.lr=abc: could not convert string to float: 'abc'\n"
+
+
+def test_a_missing_config_file_is_one_line():
+    done = run_cli("clip_jax.train", "--config=no/such/config.py", "--config.lr=1")
+    assert done.returncode == 2
+    assert done.stderr == "error: --config=no/such/config.py: no such config file\n"
