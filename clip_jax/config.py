@@ -9,7 +9,7 @@ import os
 
 import ml_collections
 
-from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
