@@ -9,8 +9,8 @@ import os
 
 import ml_collections
 
-from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
@@ -33,6 +33,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.dataset_resampled = True  # draw shards with replacement (else every shard once per epoch)
     c.workers = 4  # data worker processes per training process
     c.shuffle_window = 1000
+    # "fashion-mnist": write the shards train_data names from the bundled Fashion-MNIST training split when they
+    # are missing, once however many processes start together (the demo); "": they must exist
+    c.make_train_data = ""
 
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64

@@ -65,17 +65,11 @@ class Schedule:
         return step / self.steps_per_epoch
 
 
-def data_config(config, *, seed: int | None = None) -> data.TrainDataConfig:
-    """The data part of `config`; `seed` replaces `config.seed` (a resumed run's data seed)."""
-    return data.TrainDataConfig(
-        shards=config.train_data, weights=config.train_data_upsampling_factors or None,
-        resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None,
-        seed=config.seed if seed is None else seed, workers=config.workers, shuffle_window=config.shuffle_window)
-
-
-def make_schedule(config, num_devices: int) -> Schedule:
+def make_schedule(config, num_devices: int, shards: data.ShardList | None = None) -> Schedule:
+    """`shards`: the run's resolved shards (`data.resolve_train_shards`), counted when the config gives no
+    train_num_samples (resolved here when not given)."""
     global_batch = config.batch_size * num_devices
-    steps_per_epoch = data.steps_per_epoch(data_config(config), global_batch)
+    steps_per_epoch = data.steps_per_epoch(data.TrainDataConfig.from_run_config(config), global_batch, shards)
     return Schedule(global_batch, steps_per_epoch, steps_per_epoch * config.epochs)
 
 
@@ -118,9 +112,11 @@ class Trainer:
         self.config = config
         self.is_main = jax.process_index() == 0
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
-        self.schedule = make_schedule(config, jax.device_count())
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir = self.start.run_dir
+        # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
+        self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
+        self.schedule = make_schedule(config, jax.device_count(), self.shards)
         spec = step_spec(config, self.schedule, jax.devices()[0].platform)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
         self.mesh = mesh_for(spec)
@@ -141,7 +137,8 @@ class Trainer:
     def _open(self) -> None:
         config, model = self.config, self.engine.spec.model
         self.data_iter = data.build_train_iterator(
-            data_config(config, seed=self.data_seed), global_batch_size=self.schedule.global_batch,
+            data.TrainDataConfig.from_run_config(config, seed=self.data_seed), shard_list=self.shards,
+            global_batch_size=self.schedule.global_batch,
             image_size=model.vision.image_size, mean=tuple(config.image_mean), std=tuple(config.image_std),
             process_index=jax.process_index(), process_count=jax.process_count(),
             context_length=model.text.context_length)
@@ -347,7 +344,7 @@ class Trainer:
             samples_per_sec_per_device=samples_per_sec / jax.device_count(),
             mfu=(samples_per_sec * self.flops_per_sample / (peak * jax.device_count())) if peak else None,
             data_wait_fraction=data_wait / max(elapsed, 1e-9),
-            skipped_samples=sum(data.skip_counts(self.data_iter).values()),
+            skipped_samples=sum(self.data_iter.skipped_samples().values()),
             skipped_updates=self.skipped_updates,
             eta_seconds=remaining * elapsed / max(steps, 1),
             epoch=self.schedule.epoch(self.step),

@@ -5,7 +5,11 @@ import hashlib
 import io
 import json
 import os
+import struct
+import subprocess
+import sys
 import tarfile
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -177,3 +181,103 @@ def test_check_distributions_agree_with_numpy():
     counts = np.histogram(values, [0, 100, 200, 10**6])[0]
     assert merged.histogram((0, 100, 200)) == "  ".join(
         f"{label}: {n}" for label, n in zip(["0-99", "100-199", ">=200"], counts))
+
+
+def _tiny_fashion_mnist(root, num_images):
+    """A Fashion-MNIST folder of ``num_images`` random images per split, in the idx format of the real one."""
+    rng = np.random.default_rng(0)
+    os.makedirs(root, exist_ok=True)
+    for prefix in ("train", "t10k"):
+        images = rng.integers(0, 256, (num_images, 28, 28), np.uint8)
+        with gzip.open(os.path.join(root, f"{prefix}-images-idx3-ubyte.gz"), "wb") as f:
+            f.write(struct.pack(">HBBIII", 0, 8, 3, num_images, 28, 28) + images.tobytes())
+        with gzip.open(os.path.join(root, f"{prefix}-labels-idx1-ubyte.gz"), "wb") as f:
+            f.write(struct.pack(">HBBI", 0, 8, 1, num_images) + rng.integers(0, 10, num_images, np.uint8).tobytes())
+    return str(root)
+
+
+# Waits for the go file, so that the processes ask for the shards at the same moment.
+_WRITER = """
+import logging, os, sys, time
+from clip_jax.data import make_shards
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.001)
+print(make_shards.fashion_mnist_shards(sys.argv[2], "train", root=sys.argv[3], samples_per_shard=300))
+"""
+
+
+def test_processes_asking_for_the_demo_shards_together_get_one_set_written_once(tmp_path):
+    root = _tiny_fashion_mnist(tmp_path / "fmnist", 3000)
+    out, go = tmp_path / "shards", tmp_path / "go"
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(go), str(out), root], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    time.sleep(3)  # the imports
+    go.touch()
+    outputs = [w.communicate(timeout=120)[0] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0, 0], outputs
+    pattern = f"{out}/{{00000..00009}}.tar"
+    assert all(o.strip().endswith(pattern) for o in outputs), outputs
+    assert sum("writing 10 shards" in o for o in outputs) == 1, outputs
+    assert data.count_samples(data.resolve_shards(pattern)) == 3000
+    assert sum(len(_read_tar(f"{out}/{s:05d}.tar")[0]) for s in range(10)) == 3000
+    assert sorted(os.listdir(out)) == sorted([".lock"] + [f"{s:05d}{ext}" for s in range(10)
+                                                          for ext in (".tar", "_stats.json", ".parquet")])
+
+
+def test_a_writer_killed_half_way_leaves_no_complete_looking_set(tmp_path, monkeypatch):
+    root = _tiny_fashion_mnist(tmp_path / "fmnist", 100)
+    out, write_shards = tmp_path / "shards", make_shards.write_shards
+
+    def dies_after_two_shards(samples, folder, samples_per_shard):
+        write_shards(list(samples)[:2 * samples_per_shard], folder, samples_per_shard)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(make_shards, "write_shards", dies_after_two_shards)
+    with pytest.raises(KeyboardInterrupt):
+        make_shards.fashion_mnist_shards(str(out), "train", root=root, samples_per_shard=25)
+    assert os.listdir(out) == [".lock"]
+    monkeypatch.undo()
+    assert make_shards.fashion_mnist_shards(str(out), "train", root=root, samples_per_shard=25).endswith(
+        "{00000..00003}.tar")
+
+
+def test_a_run_config_writes_its_missing_shards_from_fashion_mnist(tmp_path, monkeypatch):
+    monkeypatch.setattr(fashion_mnist, "DEFAULT_DIR", _tiny_fashion_mnist(tmp_path / "fmnist", 100))
+    pattern = f"{tmp_path}/train/{{00000..00003}}.tar"
+    cfg = data.TrainDataConfig(shards=pattern, train_num_samples=None, make_from="fashion-mnist")
+    shards = data.resolve_train_shards(cfg)
+    assert len(shards) == 4 and data.count_samples(shards) == 100  # 25 a shard, as many shards as the pattern names
+    assert data.steps_per_epoch(cfg, 10, shards) == 10
+    with pytest.raises(ValueError, match="name shards 00000.tar, 00001.tar"):
+        data.resolve_train_shards(data.TrainDataConfig(shards=f"{tmp_path}/{{1..3}}.tar", make_from="fashion-mnist"))
+    with pytest.raises(ValueError, match="make_train_data='mnist': the trainer can write only 'fashion-mnist'"):
+        data.resolve_train_shards(data.TrainDataConfig(shards=pattern, make_from="mnist"))
+
+
+# Fails on any file opened for writing or folder made while configs/demo.py loads.
+_LOAD_DEMO = """
+import os, sys
+WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+def refuse(event, args):
+    if (event == "open" and isinstance(args[2], int) and args[2] & WRITES) or event == "os.mkdir":
+        raise AssertionError(f"loading configs/demo.py wrote: {event} {args[:2]}")
+from ml_collections import config_flags  # noqa: F401 - what the trainer loads configs with, imported beforehand
+import clip_jax.config
+sys.addaudithook(refuse)
+import importlib.util
+spec = importlib.util.spec_from_file_location("demo", "configs/demo.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+config = module.get_config()
+assert config.make_train_data == "fashion-mnist" and config.train_data.endswith("{00000..00011}.tar")
+assert "clip_jax.data" not in sys.modules, "the run config imports the data package"
+print("ok")
+"""
+
+
+def test_loading_the_demo_config_writes_nothing_and_imports_no_data_package():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-B", "-c", _LOAD_DEMO], cwd=repo, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]

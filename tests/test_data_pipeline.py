@@ -150,9 +150,9 @@ def test_skip_counters_are_reachable_for_metrics(tmp_path):
     it = _iterator(str(tmp_path / "00000.tar"), global_batch_size=4, resampled=False, shuffle_window=1)
     batch = next(it)  # the shard's 4 good samples
     assert batch["images"].shape == (4, IMAGE_SIZE, IMAGE_SIZE, 3)
-    assert data.skip_counts(it) == {"corrupt_image": 1, "no_caption": 1, "json_only": 1}
+    assert it.skipped_samples() == {"corrupt_image": 1, "no_caption": 1, "json_only": 1}
     next(it)  # the second pass over the shard skips them again
-    assert data.skip_counts(it) == {"corrupt_image": 2, "no_caption": 2, "json_only": 2}
+    assert it.skipped_samples() == {"corrupt_image": 2, "no_caption": 2, "json_only": 2}
 
 
 def test_skip_counters_are_summed_over_worker_processes(tmp_path):
@@ -161,7 +161,7 @@ def test_skip_counters_are_summed_over_worker_processes(tmp_path):
     it = _iterator(f"{tmp_path}/{{00000..00001}}.tar", global_batch_size=4, resampled=False, shuffle_window=1,
                    workers=2)
     next(it), next(it)  # one batch from each worker, each after one pass over its shard
-    assert data.skip_counts(it) == {"corrupt_image": 2, "no_caption": 2, "json_only": 2}
+    assert it.skipped_samples() == {"corrupt_image": 2, "no_caption": 2, "json_only": 2}
     it.close()
 
 
@@ -185,3 +185,45 @@ def test_steps_per_epoch(tmp_path):
     assert data.steps_per_epoch(data.TrainDataConfig(shards=pattern, train_num_samples=1000), 64) == 16
     with pytest.raises(ValueError, match="set train_num_samples"):
         data.steps_per_epoch(data.TrainDataConfig(shards=pattern), 64)
+
+
+def test_the_data_config_comes_from_the_run_config():
+    from clip_jax.config import default_config
+
+    config = default_config()
+    config.train_data, config.train_data_upsampling_factors = "/a/{0..9}.tar::/b/{0..9}.tar", "1::2"
+    config.train_num_samples, config.workers, config.seed = 5000, 3, 7
+    cfg = data.TrainDataConfig.from_run_config(config)
+    assert cfg == data.TrainDataConfig(shards="/a/{0..9}.tar::/b/{0..9}.tar", weights="1::2", resampled=True,
+                                       train_num_samples=5000, seed=7, workers=3, shuffle_window=1000)
+    assert data.TrainDataConfig.from_run_config(config, seed=11).seed == 11
+    config.train_data_upsampling_factors, config.train_num_samples, config.make_train_data = "", 0, "fashion-mnist"
+    cfg = data.TrainDataConfig.from_run_config(config)
+    assert (cfg.weights, cfg.train_num_samples, cfg.make_from) == (None, None, "fashion-mnist")
+
+
+def test_one_resolved_shard_list_feeds_the_epoch_length_and_the_pipeline(tmp_path):
+    pattern = _write_indexed_shards(tmp_path, 3, 4)
+    for s in range(3):
+        (tmp_path / f"{s:05d}_stats.json").write_text('{"successes": 4}')
+    cfg = data.TrainDataConfig(shards=pattern, resampled=False, shuffle_window=1)
+    shards = data.resolve_train_shards(cfg)
+    assert data.steps_per_epoch(cfg, 4, shards) == 3
+    # Given the list, neither resolves the pattern again: a pattern that no longer matches does not matter.
+    moved = data.TrainDataConfig(shards=f"{tmp_path}/gone-{{0..2}}.tar", resampled=False, shuffle_window=1)
+    first = data.ShardList(shards.urls[:1], shards.weights[:1], shards.sources[:1])
+    assert data.steps_per_epoch(moved, 4, first) == 1
+    it = data.build_train_iterator(moved, shard_list=shards, global_batch_size=4, image_size=IMAGE_SIZE, **MEAN_STD)
+    assert sorted(i for _ in range(3) for i in _indices(next(it))) == list(range(12))
+
+
+def test_shard_statistics_that_cannot_be_read_are_named(tmp_path):
+    pattern = _write_indexed_shards(tmp_path, 2, 4)
+    shards = data.resolve_shards(pattern)
+    (tmp_path / "00000_stats.json").write_text('{"successes": 4}')
+    assert data.count_samples(shards) is None  # 00001 has none: the epoch size is unknown, not wrong
+    for text, problem in [('{"successes": 4', "Expecting"), ('{"count": 4}', "no 'successes' field"),
+                          ('{"successes": "four"}', "not a sample count")]:
+        (tmp_path / "00001_stats.json").write_text(text)
+        with pytest.raises(ValueError, match=f"00001_stats.json: .*{problem}.*set train_num_samples"):
+            data.count_samples(shards)

@@ -62,7 +62,7 @@ def global_batches(config, process_count, seed=None):
     """The global batches of a `process_count`-process run (data seed `seed`, else the config's), assembled here
     from every process's iterator."""
     iterators = [data.build_train_iterator(
-        train_lib.data_config(config, seed=seed), global_batch_size=64, image_size=28,
+        data.TrainDataConfig.from_run_config(config, seed=seed), global_batch_size=64, image_size=28,
         mean=tuple(config.image_mean), std=tuple(config.image_std), process_index=p, process_count=process_count,
         context_length=16)
         for p in range(process_count)]

@@ -6,11 +6,14 @@ Training (one call per process)::
 
     cfg = data.TrainDataConfig(shards="/data/laion2B-en/{00000..23295}.tar", resampled=True,
                                train_num_samples=200_000_000, workers=6, seed=0)
-    it = data.build_train_iterator(cfg, global_batch_size=86_016, image_size=224, mean=(0.5,) * 3, std=(0.5,) * 3,
+    # or, from a run config (clip_jax.config): data.TrainDataConfig.from_run_config(config)
+    shards = data.resolve_train_shards(cfg)  # once; writes the demo's shards first when cfg.make_from says so
+    data.steps_per_epoch(cfg, 86_016, shards)  # virtual epoch length in steps
+    it = data.build_train_iterator(cfg, shard_list=shards, global_batch_size=86_016, image_size=224,
+                                   mean=(0.5,) * 3, std=(0.5,) * 3,
                                    process_index=jax.process_index(), process_count=jax.process_count())
     batch = next(it)  # {"images": float32 [B_proc, 224, 224, 3] normalised, "tokens": int32 [B_proc, 77]}
-    data.skip_counts(it)  # {"corrupt_image": 3, "no_caption": 1, ...}, summed over workers, for metrics
-    data.steps_per_epoch(cfg, 86_016)  # virtual epoch length in steps
+    it.skipped_samples()  # {"corrupt_image": 3, "no_caption": 1, ...}, summed over workers, for metrics
 
 The iterator never ends: in resampled mode each worker draws shards with replacement; in epoch mode every shard is
 read once per epoch (split over processes and workers) and epochs follow each other. ``it.get_state()`` /
@@ -20,22 +23,25 @@ to the model with ``ocp.args.Composite(..., data_iter=grain.checkpoint.Checkpoin
 ``grain.checkpoint.CheckpointRestore(it)``. With ``workers > 0`` the workers are spawned processes (the launching
 script needs the usual ``if __name__ == "__main__":`` guard); call ``it.close()`` when done.
 
-Demo data: ``make_shards.fashion_mnist_shards(folder, "train")`` writes (once) and returns the pattern of
-Fashion-MNIST shards; ``fashion_mnist.CLASS_NAMES`` / ``fashion_mnist.zeroshot_prompts`` serve its zero-shot
-evaluation (``clip_jax.evaluation.demo_set``). Eval sources and batches live in ``clip_jax.evaluation``.
+Demo data: ``make_shards.fashion_mnist_shards(folder, "train")`` writes (once, however many processes ask at the
+same time) and returns the pattern of Fashion-MNIST shards; a run config asks for the same with
+``make_train_data="fashion-mnist"``; ``fashion_mnist.CLASS_NAMES`` / ``fashion_mnist.zeroshot_prompts`` serve its
+zero-shot evaluation (``clip_jax.evaluation.demo_set``). Eval sources and batches live in ``clip_jax.evaluation``.
 
 Modules: ``shards`` (patterns, weights, draw order), ``tar_format`` (streaming tar reader), ``webdataset`` (raw
 samples from shards, skip reasons), ``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the
-Grain pipeline), ``fashion_mnist`` (the demo dataset, its class names and prompts). Tools: ``python -m
+Grain pipeline and its config), ``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once``
+(a folder of files written by one of the processes that ask for it). Tools: ``python -m
 clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 
 from clip_jax.data.pipeline import (
     TrainDataConfig,
+    TrainIterator,
     build_train_dataset,
     build_train_iterator,
     count_samples,
-    skip_counts,
+    resolve_train_shards,
     steps_per_epoch,
 )
 from clip_jax.data.shards import ShardList, ShardPatternError, expand_braces, resolve_shards
@@ -47,11 +53,12 @@ __all__ = [
     "ShardList",
     "ShardPatternError",
     "TrainDataConfig",
+    "TrainIterator",
     "build_train_dataset",
     "build_train_iterator",
     "count_samples",
     "expand_braces",
     "resolve_shards",
-    "skip_counts",
+    "resolve_train_shards",
     "steps_per_epoch",
 ]

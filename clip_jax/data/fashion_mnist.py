@@ -91,8 +91,8 @@ def _read_idx(path: str) -> np.ndarray:
     return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
-def load(split: str, root: str = DEFAULT_DIR) -> tuple[np.ndarray, np.ndarray]:
-    """Images uint8 [N, 28, 28] and labels uint8 [N] of ``split`` ("train" or "test")."""
+def _paths(split: str, root: str) -> tuple[str, str]:
+    """The image and label files of ``split``; FashionMNISTNotFoundError says how to get them."""
     if split not in SPLITS:
         raise InvalidInput(f"unknown Fashion-MNIST split {split!r}; use one of {sorted(SPLITS)}")
     prefix = os.path.join(root, SPLITS[split])
@@ -103,7 +103,18 @@ def load(split: str, root: str = DEFAULT_DIR) -> tuple[np.ndarray, np.ndarray]:
             f"Fashion-MNIST not found ({missing[0]} is missing): install it with "
             f"`apt-get install dataset-fashion-mnist`, or point to a folder holding the four *-ubyte.gz files"
         )
-    images, labels = _read_idx(paths[0]), _read_idx(paths[1])
+    return paths
+
+
+def load(split: str, root: str = DEFAULT_DIR) -> tuple[np.ndarray, np.ndarray]:
+    """Images uint8 [N, 28, 28] and labels uint8 [N] of ``split`` ("train" or "test")."""
+    image_path, label_path = _paths(split, root)
+    images, labels = _read_idx(image_path), _read_idx(label_path)
     if len(images) != len(labels):
         raise InvalidInput(f"{len(images)} images but {len(labels)} labels in {root}")
     return images, labels
+
+
+def num_images(split: str, root: str = DEFAULT_DIR) -> int:
+    """How many images ``split`` has, read from its label file (a few kB) rather than its images."""
+    return len(_read_idx(_paths(split, root)[1]))

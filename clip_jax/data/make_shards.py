@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from clip_jax.data import fashion_mnist
+from clip_jax.data import fashion_mnist, write_once
+from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
@@ -139,15 +140,43 @@ def fashion_mnist_samples(split: str, root: str = fashion_mnist.DEFAULT_DIR, ima
                      image.height, pixels.shape[1], pixels.shape[0])
 
 
-def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str = fashion_mnist.DEFAULT_DIR,
+def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str | None = None,
                          samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None) -> str:
-    """Shards of a Fashion-MNIST split in ``out_dir`` (written on first use); returns their brace pattern."""
-    num_images = len(fashion_mnist.load(split, root)[1])
-    num_shards = -(-num_images // samples_per_shard)
+    """Shards of a Fashion-MNIST split in ``out_dir``, written on first use; returns their brace pattern.
+
+    Processes that ask at the same time (the ranks of a local launch) get one set, written by one of them
+    (:mod:`clip_jax.data.write_once`). ``root``: the folder of the ``*-ubyte.gz`` files (default: Debian's).
+    """
+    root = fashion_mnist.DEFAULT_DIR if root is None else root
+    num_shards = -(-fashion_mnist.num_images(split, root) // samples_per_shard)
     names = [f"{i:05d}" for i in range(num_shards)]
-    if not all(os.path.exists(os.path.join(out_dir, f"{name}_stats.json")) for name in names):
-        write_shards(fashion_mnist_samples(split, root, image_size), out_dir, samples_per_shard)
+    write_once.write_once(
+        out_dir,
+        is_complete=lambda: all(os.path.exists(os.path.join(out_dir, f"{name}_stats.json")) for name in names),
+        write=lambda folder: write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard),
+        marker_suffix="_stats.json", what=f"{num_shards} shards of the Fashion-MNIST {split} split")
     return shard_pattern([os.path.join(out_dir, f"{name}.tar") for name in names])
+
+
+def write_missing_shards(pattern: str, source: str, *, root: str | None = None) -> None:
+    """Writes the shards ``pattern`` names from ``source`` when they are missing (a run config's ``train_data`` and
+    ``make_train_data``).
+
+    ``"fashion-mnist"``: the training split spread evenly over shards ``00000.tar, 00001.tar, ...`` of one local
+    folder, as many as the pattern names (``{00000..00011}.tar``: 12 shards of 5,000 images).
+    """
+    if source != "fashion-mnist":
+        raise InvalidInput(f"make_train_data={source!r}: the trainer can write only 'fashion-mnist' shards; write "
+                           "others with `python -m clip_jax.data.make_shards` and leave make_train_data empty")
+    urls = expand_braces(pattern)
+    folder = os.path.dirname(urls[0])
+    if "://" in pattern or urls != [os.path.join(folder, f"{i:05d}.tar") for i in range(len(urls))]:
+        raise InvalidInput(
+            f"train_data={pattern!r} cannot be written from Fashion-MNIST: name shards 00000.tar, 00001.tar, ... "
+            "of one local folder, e.g. 'data/fashion-mnist/train/{00000..00011}.tar'")
+    root = fashion_mnist.DEFAULT_DIR if root is None else root
+    samples_per_shard = -(-fashion_mnist.num_images("train", root) // len(urls))
+    fashion_mnist_shards(folder, "train", root=root, samples_per_shard=samples_per_shard)
 
 
 def read_captions_file(path: str) -> dict[str, str]:

@@ -1,8 +1,11 @@
 """The training input pipeline: shards -> raw samples -> decode + augment -> batches of images and tokens.
 
-``build_train_iterator`` returns a ``grain.DatasetIterator`` yielding, per process,
-``{"images": float32 [B_proc, S, S, 3] (normalised), "tokens": int32 [B_proc, context_length]}`` forever; its
-``get_state()``/``set_state()`` resume exactly and Orbax saves it with ``grain.checkpoint.CheckpointSave``.
+A run's data comes from its config in three calls: ``TrainDataConfig.from_run_config(config)``, then
+``resolve_train_shards`` (once: the same shard list feeds ``steps_per_epoch`` and the pipeline), then
+``build_train_iterator``, whose :class:`TrainIterator` yields, per process,
+``{"images": float32 [B_proc, S, S, 3] (normalised), "tokens": int32 [B_proc, context_length]}`` forever, reports
+``skipped_samples()``, and resumes exactly through ``get_state()``/``set_state()`` (Orbax saves it with
+``grain.checkpoint.CheckpointSave``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class TrainDataConfig:
-    """What a training config says about its data (``TrainDataConfig(**config.data)``)."""
+    """What a run config says about its data; :meth:`from_run_config` reads it from one."""
 
     shards: str  # e.g. "/data/laion2B-en/{00000..23295}.tar", sources joined with "::"
     weights: str | None = None  # per-source draw weights "1::2" (resampled mode)
@@ -39,6 +42,30 @@ class TrainDataConfig:
     shards_in_flight: int = 4  # shards read in turn, per worker
     prefetch_batches: int = 2  # batches buffered per worker
     check_shards_exist: bool = True
+    make_from: str | None = None  # "fashion-mnist": write the shards when missing (make_shards.write_missing_shards)
+
+    @classmethod
+    def from_run_config(cls, config: Any, *, seed: int | None = None) -> "TrainDataConfig":
+        """The data part of a run config (``clip_jax.config``); ``seed`` replaces ``config.seed`` (the data seed of
+        a run resumed without its data position)."""
+        return cls(
+            shards=config.train_data, weights=config.train_data_upsampling_factors or None,
+            resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None,
+            seed=config.seed if seed is None else seed, workers=config.workers, shuffle_window=config.shuffle_window,
+            make_from=config.make_train_data or None)
+
+
+def resolve_train_shards(cfg: TrainDataConfig) -> shards_lib.ShardList:
+    """The shards a run reads, resolved once so that the epoch length and the pipeline see the same list.
+
+    With ``cfg.make_from`` set the shards are written first when missing: once, however many processes of a run ask
+    at the same time (see :func:`clip_jax.data.make_shards.write_missing_shards`).
+    """
+    if cfg.make_from:
+        from clip_jax.data import make_shards  # PIL's encoders; only the demo writes its shards
+
+        make_shards.write_missing_shards(cfg.shards, cfg.make_from)
+    return shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
 
 
 class DecodedDataset(grain.IterDataset):
@@ -133,10 +160,13 @@ def build_train_dataset(
     process_count: int = 1,
     context_length: int = 77,
     tokenize: Tokenizer = clip_tokenize,
+    shard_list: shards_lib.ShardList | None = None,
 ) -> grain.IterDataset:
-    """The per-process training dataset (see :func:`build_train_iterator`)."""
+    """The per-process training dataset (see :func:`build_train_iterator`); ``shard_list``: the run's resolved
+    shards (:func:`resolve_train_shards`), resolved here when not given."""
     batch_size = per_process_batch_size(global_batch_size, process_count)
-    shard_list = shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
+    if shard_list is None:
+        shard_list = resolve_train_shards(cfg)
     if cfg.weights is not None and not cfg.resampled:
         raise InvalidInput("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
     ds = webdataset.TarShardDataset(
@@ -167,17 +197,43 @@ def _ensure_absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> grain.DatasetIterator:
+def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
     """Per-process iterator of ``{"images": float32 [B_proc, S, S, 3], "tokens": int32 [B_proc, L]}``, infinite.
 
     Keyword arguments as :func:`build_train_dataset`: ``global_batch_size``, ``image_size``, ``mean``, ``std``,
-    ``process_index``, ``process_count``, ``context_length``, ``tokenize``.
+    ``process_index``, ``process_count``, ``context_length``, ``tokenize``, ``shard_list``.
     """
-    return iter(build_train_dataset(cfg, **kwargs))
+    return TrainIterator(iter(build_train_dataset(cfg, **kwargs)))
+
+
+class TrainIterator(grain.DatasetIterator):
+    """The training iterator: Grain's, plus :meth:`skipped_samples` for metrics.
+
+    Its state is the wrapped iterator's, unchanged, so checkpoints read and written through it are Grain's own.
+    """
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
+
+    def skipped_samples(self) -> dict[str, int]:
+        """Samples and shards skipped so far, by reason (``{"corrupt_image": 3, ...}``), summed over all workers.
+
+        Data workers keep their counters in their own processes; the iterator state is what carries them back.
+        """
+        return skip_counts(self.get_state())
+
+    def __str__(self) -> str:
+        return f"TrainIterator({self._parent})"
 
 
 def skip_counts(state_or_iterator: Any) -> dict[str, int]:
-    """Samples and shards skipped so far, by reason, summed over all workers (for metrics)."""
+    """Skip counters by reason, summed over every ``"skipped"`` mapping of an iterator state (or an iterator's)."""
     state = state_or_iterator.get_state() if hasattr(state_or_iterator, "get_state") else state_or_iterator
     if isinstance(state, (bytes, str)):
         state = json.loads(state)
@@ -199,7 +255,10 @@ def skip_counts(state_or_iterator: Any) -> dict[str, int]:
 
 
 def count_samples(shard_list: shards_lib.ShardList) -> int | None:
-    """Samples in the shards from img2dataset's ``NNNNN_stats.json`` (``successes``); None if any is missing."""
+    """Samples in the shards from img2dataset's ``NNNNN_stats.json`` (``successes``); None if any is missing.
+
+    A statistics file that exists but cannot be read or holds no sample count is a ValueError naming it.
+    """
     import fsspec
 
     total = 0
@@ -207,18 +266,38 @@ def count_samples(shard_list: shards_lib.ShardList) -> int | None:
         stats_url = url.rsplit(".", 1)[0] + "_stats.json"
         try:
             with fsspec.open(stats_url, "r") as f:
-                total += int(json.load(f)["successes"])
-        except (OSError, KeyError, ValueError, ImportError):
+                total += _successes(json.load(f))
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError) as e:  # unreadable, not JSON, or no count in it
+            raise InvalidInput(
+                f"cannot read the sample count of {stats_url}: {e}; fix or delete that file, or set "
+                "train_num_samples"
+            ) from e
     return total
 
 
-def steps_per_epoch(cfg: TrainDataConfig, global_batch_size: int) -> int:
+def _successes(stats: Any) -> int:
+    """img2dataset's count of the samples written into a shard."""
+    if not isinstance(stats, Mapping) or "successes" not in stats:
+        raise ValueError("it has no 'successes' field")
+    try:
+        return int(stats["successes"])
+    except (TypeError, ValueError):
+        raise ValueError(f"'successes' is {stats['successes']!r}, not a sample count") from None
+
+
+def steps_per_epoch(cfg: TrainDataConfig, global_batch_size: int,
+                    shard_list: shards_lib.ShardList | None = None) -> int:
     """Optimizer steps per (virtual) epoch, counted as OpenCLIP counts them so that schedules match:
-    ``ceil(train_num_samples / global_batch_size)`` rounded up to a multiple of ``workers``."""
+    ``ceil(train_num_samples / global_batch_size)`` rounded up to a multiple of ``workers``.
+
+    Without ``train_num_samples`` the samples are counted in ``shard_list`` (the run's resolved shards; resolved
+    here when not given).
+    """
     num_samples = cfg.train_num_samples
     if num_samples is None:
-        num_samples = count_samples(shards_lib.resolve_shards(cfg.shards, check_exists=cfg.check_shards_exist))
+        num_samples = count_samples(shard_list if shard_list is not None else resolve_train_shards(cfg))
     if num_samples is None:
         raise InvalidInput(
             f"cannot tell the epoch size of {cfg.shards!r}: set train_num_samples (no *_stats.json next to the shards)"

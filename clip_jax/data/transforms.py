@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD  # noqa: F401 - the data package's names for them
+
 TRAIN_SCALE = (0.9, 1.0)
 TRAIN_RATIO = (3 / 4, 4 / 3)
 

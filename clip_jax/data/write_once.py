@@ -1,0 +1,63 @@
+"""Writes a folder of files once, when several processes ask for it at the same time.
+
+The ranks of a local launch start together and all find the demo's shards missing. The first to take the folder's
+lock writes the files into a hidden temporary folder inside it and moves them into place, the files that mark a set
+complete last; the others wait for the lock, then find the set complete and write nothing. A writer killed half way
+leaves no marker for its unfinished part, so the next run writes the set again.
+
+The lock is ``flock`` on ``FOLDER/.lock``: it holds between the processes of one machine (and on file systems that
+pass ``flock`` on, such as NFS); it is released when its holder exits, however it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """Holds the exclusive lock of ``folder`` (made when missing) against the other processes that ask for it."""
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish writing %s", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def write_once(folder: str, *, is_complete: Callable[[], bool], write: Callable[[str], None],
+               marker_suffix: str, what: str = "files") -> bool:
+    """Calls ``write(temporary_folder)`` and moves what it wrote into ``folder``, unless ``is_complete()``.
+
+    Files whose names end with ``marker_suffix`` move last, so that ``is_complete`` (which looks for them) is never
+    true of a half-moved set. Returns whether this process wrote.
+    """
+    with folder_lock(folder):
+        if is_complete():
+            return False
+        log.info("writing %s into %s (once; other processes wait for it)", what, folder)
+        staging = tempfile.mkdtemp(prefix=".writing-", dir=folder)
+        try:
+            write(staging)
+            for name in sorted(os.listdir(staging), key=lambda name: name.endswith(marker_suffix)):
+                os.replace(os.path.join(staging, name), os.path.join(folder, name))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not is_complete():
+            raise RuntimeError(f"wrote {what} into {folder} but the set is still incomplete")
+        return True
