@@ -182,7 +182,10 @@ def test_command_line_plan_compiles_for_the_simulated_gpus(tmp_path, tiny_json):
     assert run["cost"] == pytest.approx(run["gpu_hours"] * 2.5)
     assert speed["samples_per_s_per_gpu"] == pytest.approx(
         speed["mfu"] * 494.5e12 / result["flops_per_sample"]["train_analytic"])
-    text = planner.format_plan(result)
+    # The JSON is every field of the typed plan under its own name: it reads back into the same plan.
+    typed = planner.Plan.from_dict(result)
+    assert json.loads(planner.plan_json(typed)) == result
+    text = planner.format_plan(typed)
     assert "plan: tiny on 2 x h100" in text and "gradient accumulation not needed" in text
 
     bad = subprocess.run([sys.executable, "-m", "clip_jax.plan", f"--config={config_file}", "--gpu=v100"],

@@ -65,9 +65,9 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     config.update(model=str(model_file), batch_size=4, precision="bf16", grad_checkpointing=True, fsdp=True,
                   train_num_samples=1000, epochs=1, workers=1)
     result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False)
-    memory = result["memory_per_device"]
-    assert memory["compiler"] == "gpu" and "XLA:GPU" in memory["measured_by"]
-    assert result["setup"]["attention"] == "cudnn"  # auto, on a GPU, in bf16
+    memory = result.memory_per_device
+    assert memory.compiler == "gpu" and "XLA:GPU" in memory.measured_by
+    assert result.setup.attention == "cudnn"  # auto, on a GPU, in bf16
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=GPUS["a100-40gb"].target_config(),
                                             topology="1x2x4")
@@ -83,13 +83,13 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
              "tokens": jax.ShapeDtypeStruct((32, 16), jnp.int32, sharding=batch_sharding)}
     direct = built.update.lower(state, batch).compile(
         compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}).memory_analysis()
-    assert memory["argument_bytes"] == direct.argument_size_in_bytes
-    assert memory["temp_bytes"] == direct.temp_size_in_bytes
-    assert memory["total_bytes"] == (direct.argument_size_in_bytes + direct.output_size_in_bytes
-                                     - direct.alias_size_in_bytes + direct.temp_size_in_bytes)
-    program = result["step_program"]
-    assert program["fused_attention_calls"]["forward"] >= 2 and program["fused_attention_calls"]["backward"] >= 2
-    assert program["collectives"]["count"]["reduce-scatter"] >= 1
+    assert memory.argument_bytes == direct.argument_size_in_bytes
+    assert memory.temp_bytes == direct.temp_size_in_bytes
+    assert memory.total_bytes == (direct.argument_size_in_bytes + direct.output_size_in_bytes
+                                  - direct.alias_size_in_bytes + direct.temp_size_in_bytes)
+    program = result.step_program
+    assert program.fused_attention_calls["forward"] >= 2 and program.fused_attention_calls["backward"] >= 2
+    assert program.collectives.count["reduce-scatter"] >= 1
 
 
 def fused_attention_shapes(hlo: str) -> dict[str, set[int]]:

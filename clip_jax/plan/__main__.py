@@ -1,0 +1,89 @@
+"""`python -m clip_jax.plan`: flags in, the report (or its JSON) out; bad input gets one line and exit status 2."""
+
+import sys
+
+import jax
+
+from clip_jax import cli, xla_gpu
+from clip_jax.errors import InvalidInput, UserError
+from clip_jax.hardware import GPUS
+from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
+from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
+from clip_jax.plan.report import format_plan, plan_json
+
+
+def usage_error(message: str) -> None:
+    """One line on stderr and exit status 2: the planner's answer to bad input."""
+    print(f"clip_jax.plan: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def choose_compiler(asked: str) -> str:
+    """"gpu" or "cpu" for --compiler=auto|gpu|cpu: auto takes XLA:GPU when jaxlib's CUDA plugin is installed."""
+    if asked == "auto":
+        return "gpu" if xla_gpu.cuda_plugin_installed() else "cpu"
+    if asked == "gpu" and not xla_gpu.cuda_plugin_installed():
+        raise xla_gpu.CudaPluginMissing(
+            f"--compiler=gpu needs jaxlib's CUDA plugin, which is not installed: {xla_gpu.INSTALL_HINT}")
+    if asked not in ("gpu", "cpu"):
+        raise InvalidInput(f"--compiler={asked}: choose auto, gpu or cpu")
+    return asked
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    FLAGS = flags.FLAGS
+    if len(argv) > 1:
+        usage_error(f"unexpected arguments {argv[1:]}")
+    if FLAGS.gpu not in GPUS:
+        usage_error(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
+    if not 1 <= FLAGS.gpus <= MAX_SIMULATED_DEVICES:
+        usage_error(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
+    try:
+        compiler = choose_compiler(FLAGS.compiler)
+        if compiler == "gpu":
+            xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
+        elif FLAGS.topology is not None:
+            usage_error("--topology needs the XLA:GPU compiler (--compiler=gpu, with '.[gpu]' installed)")
+    except UserError as e:
+        usage_error(str(e))
+    jax.config.update("jax_platforms", "cpu")  # XLA:GPU's compile-only devices need no CUDA backend
+    jax.config.update("jax_num_cpu_devices", FLAGS.gpus if compiler == "cpu" else 1)
+    say = lambda message: print(message, file=sys.stderr, flush=True)
+    say(f"memory from XLA:{compiler.upper()}" + (" (jaxlib's CUDA plugin is not installed)"
+                                                   if compiler == "cpu" and FLAGS.compiler == "auto" else ""))
+    try:
+        result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
+                      memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
+                      topology=FLAGS.topology, search_batch=FLAGS.search_batch, progress=say)
+    except UserError as e:
+        usage_error(str(e))
+    print(plan_json(result) if FLAGS.json else format_plan(result))
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+    flags.DEFINE_string("gpu", "a100-40gb", f"GPU kind: {', '.join(GPUS)}")
+    flags.DEFINE_integer("gpus", 1, "number of GPUs (one training process each)")
+    flags.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"],
+                      "who compiles the step: XLA:GPU without a GPU (needs '.[gpu]'), XLA:CPU, or auto (XLA:GPU "
+                      "when installed)")
+    flags.DEFINE_string("topology", None, "NODESxGPUS_PER_NODE for XLA:GPU, e.g. 96x4 (default: nodes of 8 GPUs)")
+    flags.DEFINE_float("price", None, "price per GPU-hour, for the cost")
+    flags.DEFINE_float("mfu", None, "model FLOPs utilisation to assume (default: measured, else the reference run's)")
+    flags.DEFINE_float("memory_fraction", DEFAULT_MEMORY_FRACTION,
+                       "fraction of GPU memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION, as launch/env.sh sets it)")
+    flags.DEFINE_float("pipeline_rate", PIPELINE_SAMPLES_PER_CORE_S, "input pipeline samples per CPU core-second")
+    flags.DEFINE_bool("search_batch", True, "find the largest per-device batch that fits (a few compiles)")
+    flags.DEFINE_bool("json", False, "print the plan as JSON")
+    flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+    xla_gpu.prepare()  # before JAX loads its plugins
+    _define_flags()
+    cli.run(main)

@@ -1,0 +1,166 @@
+"""`plan`: compile the planned step, search its memory, count its FLOPs, model its speed, and return a `Plan`."""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+
+from clip_jax import xla_gpu
+from clip_jax.errors import InvalidInput
+from clip_jax.hardware import get_gpu
+from clip_jax.models import create_model, param_shapes
+from clip_jax.parallel import create_mesh
+from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
+from clip_jax.plan.flops import flops_per_sample
+from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
+                                  largest_fitting_batch, memory_savers, smallest_accum, state_bytes_per_device)
+from clip_jax.plan.report import size
+from clip_jax.plan.result import (DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram,
+                                  Throughput)
+from clip_jax.plan.steps import CompiledSteps, planned_spec
+from clip_jax.step_factory import StepSpec, mesh_for
+
+# The fraction of GPU memory JAX may take: launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to the same (JAX's own
+# default is 0.75); plan with the fraction the run will have.
+DEFAULT_MEMORY_FRACTION = 0.92
+MAX_SIMULATED_DEVICES = 4096
+
+
+def _check_arguments(num_gpus: int, price: float | None, mfu: float | None, memory_fraction: float,
+                     pipeline_rate: float) -> None:
+    problems = []
+    if not 1 <= num_gpus <= MAX_SIMULATED_DEVICES:
+        problems.append(f"--gpus={num_gpus}: give 1 to {MAX_SIMULATED_DEVICES} GPUs (one simulated device each)")
+    if price is not None and price < 0:
+        problems.append(f"--price={price}: a price per GPU-hour cannot be negative")
+    if mfu is not None and not 0 < mfu <= 1:
+        problems.append(f"--mfu={mfu}: give a fraction in (0, 1], e.g. 0.4")
+    if not 0 < memory_fraction <= 1:
+        problems.append(f"--memory_fraction={memory_fraction}: give a fraction in (0, 1]")
+    if pipeline_rate <= 0:
+        problems.append(f"--pipeline_rate={pipeline_rate}: samples per CPU-second must be positive")
+    if problems:
+        raise InvalidInput("bad planner arguments:\n  " + "\n  ".join(problems))
+
+
+def _parameter_counts(setup: StepSpec) -> ParameterCounts:
+    shapes = param_shapes(create_model(setup.model))
+    count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    image = count(shapes["visual"])
+    logit_scale = count(shapes["logit_scale"])
+    total = count(shapes)
+    return ParameterCounts(total=total, image=image, text=total - image - logit_scale, logit_scale=logit_scale)
+
+
+def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mfu: float | None = None,
+         memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline_rate: float = PIPELINE_SAMPLES_PER_CORE_S,
+         compiler: str = "cpu", topology: str | None = None, devices=None, search_batch: bool = True,
+         progress: Callable[[str], None] = lambda message: None) -> Plan:
+    """The plan for training `config` on `num_gpus` GPUs of kind `gpu_name`.
+
+    `compiler`: "gpu" compiles the step with XLA:GPU for `topology` ("NODESxGPUS", see `xla_gpu.parse_topology`)
+    without a GPU; "cpu" with XLA:CPU over `devices`, one per GPU (default: the first `num_gpus` of
+    `jax.devices()`).
+    """
+    gpu = get_gpu(gpu_name)
+    _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
+    if compiler not in ("cpu", "gpu"):
+        raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")
+    if compiler == "gpu":
+        nodes, per_node = xla_gpu.parse_topology(topology, num_gpus)
+        devices = xla_gpu.devices(gpu, nodes, per_node)
+        where = f"{num_gpus} x {gpu.name} ({nodes} node{'s' * (nodes > 1)} x {per_node}, deviceless XLA:GPU)"
+    else:
+        devices = list(jax.devices()[:num_gpus] if devices is None else devices)
+        where = f"{num_gpus} simulated device{'s' * (num_gpus > 1)}"
+    if len(devices) != num_gpus:
+        raise InvalidInput(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
+                           "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
+    setup = planned_spec(config, compiler)
+    batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
+    if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
+        raise InvalidInput(f"batch_size={batch_size} (per device) must be a positive multiple of "
+                           f"accum_freq={accum_freq}")
+    mesh = mesh_for(setup, devices)
+    budget = int(gpu.memory_bytes * memory_fraction)
+    compiled_step = CompiledSteps(mesh, where, progress)
+    memory_probes: dict[int, int] = {}
+
+    def memory_of(b: int) -> int:
+        memory_probes[b] = StepMemory.of(compiled_step(setup, b)).total
+        return memory_probes[b]
+
+    # Memory of the planned step, the largest batch, accumulation.
+    planned = StepMemory.of(compiled_step(setup, batch_size, accum_freq))
+    if accum_freq == 1:
+        memory_probes[batch_size] = planned.total
+    try:
+        largest = largest_fitting_batch(memory_of, budget, guess=batch_size) if search_batch else None
+    except BatchDoesNotFit:
+        raise BatchDoesNotFit(
+            f"{setup.model.name} ({setup.describe()}) needs {size(memory_probes[1])} per device at a per-device "
+            f"batch of 1 (compiled for {where}; train state {size(state_bytes_per_device(setup, mesh))}), more "
+            f"than the {size(budget)} usable on a {gpu.name} ({gpu.memory_gib:.1f} GiB x {memory_fraction}). "
+            f"Try {memory_savers(config)}") from None
+    fits = planned.total <= budget
+    accum_needed = accum_freq
+    if not fits:
+        start = max(accum_freq, -(-batch_size // largest)) if largest else accum_freq + 1
+        fits_with = lambda k: StepMemory.of(compiled_step(setup, batch_size, k)).total <= budget
+        accum_needed = smallest_accum(batch_size, start, fits_with)
+    elif accum_freq > 1 and largest is not None and largest >= batch_size:
+        accum_needed = 1  # the whole per-device batch fits without accumulating
+
+    # What XLA:GPU's program does besides: its collectives and whether cuDNN's fused attention runs.
+    step_program = None
+    if compiler == "gpu":
+        hlo = compiled_step(setup, batch_size, accum_needed or accum_freq).as_text()
+        step_program = StepProgram(xla_gpu.collectives(hlo), xla_gpu.fused_attention(hlo))
+
+    # FLOPs, counted on the step without accumulation at the per-device micro-batch (by XLA:CPU, on one device
+    # when XLA:GPU compiled the rest: its cost analysis is empty).
+    micro_batch = batch_size // (accum_needed or accum_freq)
+    if compiler == "gpu":
+        progress(f"counting FLOPs: XLA:CPU compiles of the step at per-device batch {micro_batch}")
+        cpu_setup = dataclasses.replace(setup, attention_impl="xla")
+        flops = flops_per_sample(cpu_setup, create_mesh(jax.devices("cpu")[:1]), micro_batch)
+    else:
+        flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))
+
+    # Speed, data loading, time and cost.
+    mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
+    rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
+    if (accum_needed or 1) > 1:  # features are computed twice: one more forward per sample
+        rate *= flops.train_analytic / (flops.train_analytic + flops.forward_analytic)
+    global_batch = batch_size * num_gpus
+    run = run_length(config, global_batch, rate * num_gpus, num_gpus, price)
+    fit = affine_fit(memory_probes)
+    table = gpu_table(setup.precision, flops.train_analytic, mfu, memory_fraction, num_gpus, run,
+                      exact=(gpu.name, largest), fit=fit)
+
+    return Plan(
+        config=getattr(config, "name", "") or "", model=setup.model.name, gpu=gpu.name, gpus=num_gpus,
+        setup=Setup(precision=setup.precision, remat_policy=setup.remat_policy, fsdp=setup.fsdp,
+                    attention=setup.attention_impl, batch_size=batch_size, accum_freq=accum_freq,
+                    global_batch=global_batch),
+        parameters=_parameter_counts(setup),
+        flops_per_sample=flops,
+        memory_per_device=MemoryPerDevice(
+            compiler=compiler,
+            measured_by=f"XLA:{compiler.upper()} memory analysis of the train step compiled for {where}",
+            batch_size=batch_size, accum_freq=accum_freq, argument_bytes=planned.argument,
+            output_bytes=planned.output, alias_bytes=planned.alias, temp_bytes=planned.temp,
+            total_bytes=planned.total, state_bytes=state_bytes_per_device(setup, mesh),
+            batch_bytes=batch_bytes_per_device(setup.model, batch_size), gpu_bytes=gpu.memory_bytes,
+            memory_fraction=memory_fraction, usable_bytes=budget, fits=fits,
+            largest_batch=largest, largest_batch_compiles=len(memory_probes) if search_batch else 0,
+            accum_freq_needed=accum_needed, bytes_per_sample_fit=fit[1] if fit else None),
+        throughput=Throughput(mfu=mfu_value, mfu_source=mfu_source, peak_tflops=gpu.peak_tflops(setup.precision),
+                              samples_per_s_per_gpu=rate, samples_per_s=rate * num_gpus),
+        step_program=step_program,
+        data_loading=DataLoading(samples_per_core_s=pipeline_rate, cores_per_gpu=rate / pipeline_rate,
+                                 workers_per_process=config.workers),
+        run=run,
+        gpu_table=table,
+    )

@@ -1,0 +1,125 @@
+"""A `Plan` for people (`format_plan`: the report `python -m clip_jax.plan` prints) and for machines (`plan_json`:
+`--json`, every field of the plan under its own name)."""
+
+import dataclasses
+import json
+
+from clip_jax.plan.result import Plan
+
+
+def size(n: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _gflop(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def plan_json(p: Plan) -> str:
+    return json.dumps(dataclasses.asdict(p), indent=2)
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    s, m = p.setup, p.memory_per_device
+    lines = [
+        f"memory per device ({m.measured_by})",
+        f"  train state       {size(m.state_bytes):>11}   params + AdamW moments (from the tree and its sharding)",
+        f"  batch             {size(m.batch_bytes):>11}   float32 images + int32 tokens",
+        f"  temporaries       {size(m.temp_bytes):>11}   activations, gradients, loss",
+        (f"  total             {size(m.total_bytes):>11}   of {size(m.usable_bytes)} usable "
+         f"({size(m.gpu_bytes)} x {m.memory_fraction:g}): {'fits' if m.fits else 'DOES NOT FIT'}"),
+    ]
+    if m.largest_batch is not None:
+        lines.append(f"  largest per-device batch that fits: {m.largest_batch} "
+                     f"(bisection, {m.largest_batch_compiles} compiles)")
+    if m.accum_freq_needed is None:
+        lines.append("  no gradient accumulation makes this per-device batch fit")
+    elif m.accum_freq_needed > 1 and not m.fits:
+        lines.append(f"  gradient accumulation needed: accum_freq={m.accum_freq_needed} "
+                     f"(micro-batches of {s.batch_size // m.accum_freq_needed})")
+    elif m.accum_freq_needed != s.accum_freq:
+        lines.append("  gradient accumulation not needed: the whole per-device batch fits (accum_freq=1)")
+    else:
+        lines.append(f"  gradient accumulation {'not needed' if s.accum_freq == 1 else 'as configured'}")
+    return lines
+
+
+def _step_program_lines(p: Plan) -> list[str]:
+    program = p.step_program
+    if not program:
+        return []
+    c = program.collectives
+    moved = [f"{kind} {c.count[kind]} ({size(c.bytes[kind])})" for kind in c.count if c.count[kind]]
+    attention = program.fused_attention_calls
+    return ["", "the compiled step (XLA:GPU), per device and step",
+            f"  collectives: {', '.join(moved) or 'none'}",
+            (f"  cuDNN fused attention: {attention['forward']} forward and {attention['backward']} backward "
+             "call sites" if attention["forward"] else "  cuDNN fused attention: not used")]
+
+
+def _gpu_table_lines(p: Plan) -> list[str]:
+    lines = [(f"GPUs (same MFU rule; largest batch of {p.gpu} compiled, others from an affine fit of the "
+              "compiled memory)"),
+             (f"  {'gpu':<11}{'GiB':>7}{'bf16 TF':>9}{'tf32 TF':>9}{'MFU':>7}{'samples/s':>11}{'max batch':>11}"
+              f"{'days':>8}")]
+    for row in p.gpu_table:
+        days = f"{row.days:.1f}" if row.days is not None else "-"
+        largest = "-" if row.largest_batch is None else str(row.largest_batch)
+        lines.append(f"  {row.gpu:<11}{row.memory_gib:>7.1f}{row.bf16_tflops:>9g}{row.tf32_tflops:>9g}"
+                     f"{row.mfu:>7.1%}{row.samples_per_s_per_gpu:>11.1f}{largest:>11}{days:>8}")
+    return lines
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a human-readable report."""
+    s, f, t, params = p.setup, p.flops_per_sample, p.throughput, p.parameters
+    lines = [
+        f"plan: {p.model} on {p.gpus} x {p.gpu}",
+        (f"  {s.precision}, remat {s.remat_policy}, fsdp {'on' if s.fsdp else 'off'}, attention "
+         f"{s.attention}; per-device batch {s.batch_size}, accum_freq {s.accum_freq}, global batch "
+         f"{s.global_batch:,}"),
+        "",
+        (f"parameters          {params.total:,} (image {params.image:,}, text {params.text:,}, "
+         f"logit_scale {params.logit_scale})"),
+        "",
+        f"FLOPs per sample (GFLOP)       analytic     XLA (compiled at per-device batch {f.counted_at_batch})",
+        f"  forward                     {_gflop(f.forward_analytic):>9}  {_gflop(f.forward_xla):>11}",
+        (f"  train step (3x forward)     {_gflop(f.train_analytic):>9}  {_gflop(f.train_xla):>11}"
+         "   XLA also counts norms, softmax, GELU, loss, AdamW"),
+    ]
+    if s.remat_policy != "none":
+        lines.append(f"  + remat ({s.remat_policy})"[:30].ljust(30)
+                     + f"{'+' + _gflop(f.remat_extra_analytic):>9}  {'+' + _gflop(f.remat_extra_xla):>11}"
+                     "   analytic: every block again (upper bound)")
+    lines += ["", *_memory_lines(p), *_step_program_lines(p)]
+    lines += [
+        "",
+        "throughput (modelled: MFU x peak / model FLOPs)",
+        f"  MFU {t.mfu:.1%} of the {s.precision} peak {t.peak_tflops:g} TFLOP/s ({t.mfu_source})",
+        f"  {t.samples_per_s_per_gpu:.1f} samples/s per GPU, {t.samples_per_s:,.0f} samples/s on {p.gpus}",
+    ]
+    d = p.data_loading
+    lines += [
+        "",
+        (f"data loading: {d.cores_per_gpu:.2f} CPU cores per GPU at the measured {d.samples_per_core_s:g} "
+         f"samples per core-second; config: {d.workers_per_process} workers per process"),
+        "",
+    ]
+    r = p.run
+    if r:
+        cost = f", ${r.cost:,.0f} at ${r.price_per_gpu_hour:.2f} per GPU-hour" if r.cost is not None else ""
+        lines.append(f"run: {r.epochs} epochs x {r.samples_per_epoch:,} = {r.samples / 1e9:.2f}B samples, "
+                     f"{r.steps:,} steps: {r.days:.1f} days, {r.gpu_hours:,.0f} GPU-hours{cost}")
+    else:
+        lines.append("run: length unknown (set train_num_samples in the config)")
+    lines += ["", *_gpu_table_lines(p)]
+    if p.memory_per_device.compiler == "gpu":
+        lines += ["", ("measured here: parameters and FLOPs (XLA:CPU), memory and collectives (XLA:GPU, compiled for "
+                       "the GPU without one);")]
+    else:
+        lines += ["", ("measured here: parameters, FLOPs and memory, by compiling the step with XLA:CPU (XLA:GPU fuses "
+                       "and schedules differently, and cuDNN attention keeps no score matrix: install '.[gpu]' for "
+                       "its figures);")]
+    lines.append("modelled: speed, time and cost, from the MFU above")
+    return "\n".join(lines)

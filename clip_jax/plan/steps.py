@@ -1,0 +1,41 @@
+"""What the planner compiles: the trainer's own step, from the step factory, for the planned devices.
+
+Every figure the planner measures comes from these compiles, so they go through `clip_jax.step_factory` and nothing
+else: the step planned is the step trained.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from clip_jax.step_factory import StepSpec, build_step
+
+
+def planned_spec(config, compiler: str = "cpu") -> StepSpec:
+    """The step the trainer would build from `config` on the planned GPUs; where XLA:CPU compiles it, with XLA's
+    attention (XLA:CPU has no cuDNN)."""
+    spec = StepSpec.from_config(config, platform="gpu")
+    return spec if compiler == "gpu" else dataclasses.replace(spec, attention_impl="xla")
+
+
+def compile_train_step(spec: StepSpec, mesh, per_device_batch: int):
+    """The train step of `spec`, compiled for `mesh` from abstract inputs."""
+    return build_step(spec, mesh).compile(per_device_batch)
+
+
+class CompiledSteps:
+    """Train steps compiled for one mesh, each (spec, per-device batch, accumulation steps) once: the memory
+    search, the accumulation search and the FLOP count ask for the same steps again."""
+
+    def __init__(self, mesh, where: str, progress: Callable[[str], None]):
+        self.mesh, self.where, self.progress = mesh, where, progress
+        self._compiled: dict[tuple[StepSpec, int, int], Any] = {}
+
+    def __call__(self, spec: StepSpec, per_device_batch: int, accum: int = 1):
+        key = spec, per_device_batch, accum
+        if key not in self._compiled:
+            self.progress(f"compiling the train step ({spec.describe()}) for {self.where}: per-device batch "
+                          f"{per_device_batch}, accum_steps {accum}")
+            self._compiled[key] = compile_train_step(dataclasses.replace(spec, accum_steps=accum), self.mesh,
+                                                     per_device_batch)
+        return self._compiled[key]
