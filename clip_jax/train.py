@@ -12,13 +12,11 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
 import time
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -33,6 +31,7 @@ from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
 from clip_jax.models import create_model
 from clip_jax.models.flops import train_flops
 from clip_jax.parallel import make_global_batch
+from clip_jax.preemption import StopSignal
 from clip_jax.run_setup import plan_run_start
 from clip_jax.stability import InstabilityMonitor
 from clip_jax.step_factory import StepSpec, build_step, mesh_for
@@ -77,30 +76,6 @@ def step_spec(config, schedule: Schedule, mesh_platform: str, precision: str | N
     """The step `config` trains with on devices of `mesh_platform`; `precision` replaces the config's."""
     return StepSpec.from_config(config, platform=mesh_platform, total_steps=schedule.total_steps,
                                 precision=precision)
-
-
-class StopSignal:
-    """Remembers SIGTERM/SIGINT instead of dying mid-step; a second SIGINT interrupts at once."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, frame):
-        if self.received and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def agreed(self) -> bool:
-        """True on every process once any process got a signal (they then save the same step)."""
-        flag = self.received is not None
-        if jax.process_count() > 1:
-            flag = bool(np.any(jax.experimental.multihost_utils.process_allgather(np.int32(flag))))
-        return flag
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 class Trainer:
