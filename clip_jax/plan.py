@@ -36,7 +36,7 @@ import numpy as np
 from clip_jax import xla_gpu
 from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import CLIPConfig, create_model, get_model_config, param_shapes
-from clip_jax.models.flops import forward_flops, train_flops
+from clip_jax.models.flops import forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import Transformer
 from clip_jax.parallel import create_mesh
 from clip_jax.precision import get_policy
@@ -202,6 +202,8 @@ def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, boo
 def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bool) -> float:
     """XLA's count for one residual block of `tower` (a depth-2 scanned stack, whose loop body is counted once)."""
     width, heads, mlp_width, tokens, _, causal = _tower(setup.model, tower)
+    if train and tower == "image":
+        tokens = image_tokens(setup.model.vision, train=True)  # the step's blocks see only the kept patches
     policy = get_policy(setup.precision)
     stack = Transformer(width, 2, heads, mlp_width, causal=causal, quick_gelu=setup.model.quick_gelu,
                         dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=setup.remat_policy)
@@ -458,7 +460,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
     rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
     if (accum_needed or 1) > 1:  # features are computed twice: one more forward per sample
-        rate *= flops.train_analytic / (flops.train_analytic + flops.forward_analytic)
+        rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, train=True))
     global_batch = batch_size * num_gpus
     run = _run_length(config, global_batch, rate * num_gpus, num_gpus, price)
     fit = _affine_fit(memory_probes)
