@@ -179,3 +179,12 @@ def test_train_flops_count_the_kept_tokens_and_eval_flops_all():
     assert image_forward_flops(dropped, train=True) < 0.5 * image_forward_flops(config)
     assert 0.55 < train_flops(dropped) / train_flops(config) < 0.6
     assert train_flops(StepSpec(dropped, patch_dropout=0.0).model) == train_flops(config)
+
+
+def test_the_planners_xla_count_of_the_step_agrees_with_the_kept_token_count():
+    from clip_jax import plan as planner
+
+    spec = StepSpec("ViT-B-32", "fp32", patch_dropout=0.5)  # 49 patches, 24 kept
+    flops = planner.flops_per_sample(spec, create_mesh(jax.devices()[:1]), 4)
+    assert flops.train_analytic == 3 * forward_flops(spec.model, train=True) < 0.75 * 3 * flops.forward_analytic
+    assert 1.0 <= flops.train_xla / flops.train_analytic < 1.05  # the planner's per-block loop correction included
