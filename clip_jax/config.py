@@ -110,7 +110,8 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                   "grad_clip_norm", "loss_spike_factor", "zeroshot_samples"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
-    if not (c.force_patch_dropout < 1 and (c.force_patch_dropout >= 0 or c.force_patch_dropout == -1)):
+    force = c.force_patch_dropout  # None, like -1: the model's
+    if force is not None and not (force < 1 and (force >= 0 or force == -1)):
         problems.append(f"force_patch_dropout={c.force_patch_dropout}: give a rate in [0, 1), or -1 for the model "
                         "config's patch_dropout")
     if c.batch_size >= 1 and c.accum_freq >= 1 and c.batch_size % c.accum_freq:
