@@ -48,6 +48,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.beta2 = 0.98
     c.eps = 1e-6
     c.grad_clip_norm = 0.0  # 0: no clipping
+    # Patch dropout (FLIP) in training: the model config's vision patch_dropout, or this rate in [0, 1) instead
+    # (0 for a final unmasked phase); -1: the model's. Eval never drops patches.
+    c.force_patch_dropout = -1.0
 
     # Precision and memory.
     c.precision = "bf16"  # fp32 | bf16 | pure_bf16; may change when resuming
@@ -111,6 +114,10 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                   "grad_clip_norm", "loss_spike_factor", "zeroshot_samples"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
+    force = c.force_patch_dropout  # None, like -1: the model's
+    if force is not None and not (force < 1 and (force >= 0 or force == -1)):
+        problems.append(f"force_patch_dropout={c.force_patch_dropout}: give a rate in [0, 1), or -1 for the model "
+                        "config's patch_dropout")
     if c.batch_size >= 1 and c.accum_freq >= 1 and c.batch_size % c.accum_freq:
         problems.append(f"batch_size={c.batch_size} (per device) is not divisible by accum_freq={c.accum_freq}")
     if num_devices % process_count:

@@ -81,6 +81,10 @@ class StepSpec:
     loss: str = "clip"
     optimizer: OptimizerSpec = OptimizerSpec()
     accum_steps: int = 1  # micro-batches per step, the loss still over the whole batch (OpenCLIP's accum_freq)
+    # Patch dropout in training: None keeps the model config's `vision.patch_dropout`; a rate replaces it there
+    # (OpenCLIP's --force-patch-dropout), so `model` holds the rate the step runs with, and FLOPs count it.
+    patch_dropout: float | None = None
+    seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -93,6 +97,9 @@ class StepSpec:
             raise InvalidInput(f"loss {self.loss!r}: choose one of {LOSSES}")
         if self.accum_steps < 1:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
+        if self.patch_dropout is not None:
+            vision = dataclasses.replace(self.model.vision, patch_dropout=float(self.patch_dropout))  # checks it
+            object.__setattr__(self, "model", dataclasses.replace(self.model, vision=vision))
 
     def _model_source(self):
         # A dict is not hashable, so a spec keeps the resolved CLIPConfig; a Mapping is read once, here.
@@ -107,10 +114,13 @@ class StepSpec:
         optimizer = OptimizerSpec(lr=config.lr, warmup=config.warmup, total_steps=total_steps,
                                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                   grad_clip_norm=config.grad_clip_norm or None)
+        force_patch_dropout = config.get("force_patch_dropout")
         return cls(get_model_config(config.model), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
-                   fsdp=bool(config.fsdp), optimizer=optimizer, accum_steps=config.accum_freq)
+                   fsdp=bool(config.fsdp), optimizer=optimizer, accum_steps=config.accum_freq,
+                   patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
+                   else force_patch_dropout, seed=config.seed)
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -118,8 +128,9 @@ class StepSpec:
                             remat_policy=self.remat_policy, attention_impl=self.attention_impl)
 
     def describe(self) -> str:
+        patch_dropout = self.model.vision.patch_dropout
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
-                f"attention {self.attention_impl}")
+                f"attention {self.attention_impl}" + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
@@ -197,5 +208,6 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
-                             accum_steps=spec.accum_steps)
+                             accum_steps=spec.accum_steps, patch_dropout=spec.model.vision.patch_dropout,
+                             seed=spec.seed)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

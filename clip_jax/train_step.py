@@ -9,6 +9,12 @@ micro-batches while the loss still sees every negative of the full batch (OpenCL
 2. loss and its gradient with respect to the features, on the full batch;
 3. per micro-batch, the forward again and a backward (a VJP) seeded with that micro-batch's feature gradients;
    the parameter gradients add up to the full-batch gradient.
+
+Patch dropout (`patch_dropout > 0`): the step draws the patches each sample keeps for the whole global batch from
+`patch_dropout_key(seed, state.step)` and adds them to the batch as `kept_patches` [B, K]. They are split into
+micro-batches with the images, so phases 1 and 3 drop the same patches, and a sample keeps the same patches
+whatever the accumulation or the device count. The key is a function of the run's seed and the step counter only:
+no RNG state is saved, and a resumed run draws the same patches at the same step.
 """
 
 from collections.abc import Callable
@@ -22,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clip_jax.loss import contrastive_loss_and_accuracy
+from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.optim import clamp_logit_scale
 from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
                                is_split, path_names, replicated)
@@ -68,9 +75,14 @@ def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
             params = jax.tree_util.tree_map_with_path(
                 lambda path, p: p if LAYER_STACK_KEY in path_names(path) else gather_whole(p, mesh), params
             )
-        return model.apply({"params": params}, batch["images"], batch["tokens"])
+        return model.apply({"params": params}, batch["images"], batch["tokens"], batch.get("kept_patches"))
 
     return forward
+
+
+def patch_dropout_key(seed: int, step: jax.Array) -> jax.Array:
+    """The key a step draws its kept patches from: the run's seed and the step counter, nothing else."""
+    return jax.random.fold_in(jax.random.key(seed), step)
 
 
 def gather_whole(tree, mesh: Mesh, layers: int | None = None):
@@ -195,6 +207,8 @@ def make_train_step(
     *,
     fsdp: bool,
     accum_steps: int = 1,
+    patch_dropout: float = 0.0,
+    seed: int = 0,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
@@ -203,6 +217,8 @@ def make_train_step(
     (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
     `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
     was skipped for a non-finite loss or gradient).
+    `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
+    seed, from which each step's kept patches are drawn.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -224,6 +240,12 @@ def make_train_step(
             grad_shardings=shardings.params,
         )
 
+    def step_kept_patches(step, batch_size):  # [B, K], split over the devices like the batch
+        num_patches = model.config.vision.grid_size**2
+        keep = kept_patch_count(num_patches, patch_dropout)
+        kept = kept_patch_indices(patch_dropout_key(seed, step), batch_size, num_patches, keep)
+        return jax.lax.with_sharding_constraint(kept, batch_sharding(mesh))
+
     def step(state: TrainState, batch):
         batch_size = batch["images"].shape[0]
         if batch_size % (n_shards * accum_steps):
@@ -231,6 +253,8 @@ def make_train_step(
                 f"train step: global batch {batch_size} must be divisible by devices x accum_steps = "
                 f"{n_shards} x {accum_steps}"
             )
+        if patch_dropout > 0:
+            batch = {**batch, "kept_patches": step_kept_patches(state.step, batch_size)}
         loss, accuracy, logit_scale, grads = compute_grads(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
         grad_norm = global_norm(grads)

@@ -27,6 +27,8 @@ class CLIP(nn.Module):
     L2-normalised in float32. `method="encode_image"` / `"encode_text"` run one tower.
 
     `layer_params_hook`: see `Transformer`; passed to both towers' residual stacks (None: parameters as stored).
+    `kept_patches` ([B, K] patch indices, the train step's patch dropout; see `VisionTransformer`): None runs
+    every patch, as eval does.
     """
 
     config: CLIPConfig
@@ -54,8 +56,8 @@ class CLIP(nn.Module):
         self.logit_scale = self.param("logit_scale", nn.initializers.constant(INIT_LOGIT_SCALE), (),
                                       self.param_dtype)
 
-    def encode_image(self, images, normalize: bool = True):  # [B, H, W, 3] -> [B, E]
-        features = self.visual(images)
+    def encode_image(self, images, normalize: bool = True, kept_patches=None):  # [B, H, W, 3] -> [B, E]
+        features = self.visual(images, kept_patches)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def encode_text(self, tokens, normalize: bool = True):  # [B, L] int -> [B, E]
@@ -72,8 +74,8 @@ class CLIP(nn.Module):
         features = x @ self.text_projection.astype(self.dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
-    def __call__(self, images, tokens):
-        return (self.encode_image(images), self.encode_text(tokens),
+    def __call__(self, images, tokens, kept_patches=None):
+        return (self.encode_image(images, kept_patches=kept_patches), self.encode_text(tokens),
                 jnp.exp(self.logit_scale.astype(jnp.float32)))
 
 

@@ -1,6 +1,7 @@
 """Model configurations: the named registry and OpenCLIP's model-config JSON format.
 
-A `CLIPConfig` holds only the architecture, the numbers that decide the parameter tree. How the model runs
+A `CLIPConfig` holds the architecture, the numbers that decide the parameter tree, and, as OpenCLIP's JSON does,
+the image tower's training-time `patch_dropout` (it changes no parameter and no eval output). How the model runs
 (compute dtype, rematerialisation, attention kernel) is chosen when it is created, so one checkpoint can be run
 under any of them.
 """
@@ -22,6 +23,13 @@ class VisionConfig:
     layers: int
     heads: int
     mlp_width: int
+    # Training only (FLIP, OpenCLIP's key): the train step keeps max(1, int(N * (1 - p))) of the N patches per
+    # sample, drawn at random, plus the class token. Eval never drops.
+    patch_dropout: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.patch_dropout < 1.0:
+            raise InvalidInput(f"patch_dropout={self.patch_dropout} must be in [0, 1)")
 
     @property
     def grid_size(self) -> int:
@@ -103,10 +111,10 @@ _OPEN_CLIP_CONFIGS = {
 }
 
 # Keys of OpenCLIP's JSON that we read, and keys that only concern training or preprocessing (accepted, ignored).
-_VISION_KEYS = {"image_size", "layers", "width", "patch_size", "head_width", "mlp_ratio"}
+_VISION_KEYS = {"image_size", "layers", "width", "patch_size", "head_width", "mlp_ratio", "patch_dropout"}
 _TEXT_KEYS = {"context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio"}
 _IGNORED_KEYS = {
-    "patch_dropout", "timm_model_name", "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias",
+    "timm_model_name", "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias",
     "timm_drop", "timm_drop_path", "hf_model_pretrained", "hf_tokenizer_name", "tokenizer_kwargs", "proj",
     "pooler_type",
     "custom_text", "init_logit_scale", "init_logit_bias", "cast_dtype", "image_mean", "image_std",
@@ -167,6 +175,7 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPC
             layers=int(v["layers"]),
             heads=v_width // int(v.get("head_width", 64)),
             mlp_width=int(v_width * float(v.get("mlp_ratio", 4.0))),
+            patch_dropout=float(v.get("patch_dropout", 0.0)),
         )
         text = TextConfig(
             context_length=int(t.get("context_length", 77)),

@@ -3,6 +3,7 @@
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from clip_jax.models.config import VisionConfig
@@ -11,7 +12,12 @@ from clip_jax.models.layers import Dtype, LayerNorm, Transformer
 
 class VisionTransformer(nn.Module):
     """Patchify (conv, no bias) -> class token -> positional embedding -> ln_pre -> blocks -> ln_post(class token)
-    -> proj. Images are NHWC float32, already normalised."""
+    -> proj. Images are NHWC float32, already normalised.
+
+    `kept_patches` ([B, K] int, patch indices in row-major order, see `kept_patch_indices`): patch dropout as
+    OpenCLIP applies it, after the positional embedding and before `ln_pre`: the blocks see the class token and
+    those K patches only. None (eval, and training without patch dropout): every patch.
+    """
 
     config: VisionConfig
     embed_dim: int
@@ -23,7 +29,7 @@ class VisionTransformer(nn.Module):
     layer_params_hook: Callable | None = None
 
     @nn.compact
-    def __call__(self, images):  # [B, H, W, 3] -> [B, embed_dim]
+    def __call__(self, images, kept_patches=None):  # [B, H, W, 3] -> [B, embed_dim]
         cfg = self.config
         if images.ndim != 4 or images.shape[1:] != (cfg.image_size, cfg.image_size, 3):
             raise ValueError(f"image tower expects images of shape [B, {cfg.image_size}, {cfg.image_size}, 3] "
@@ -38,6 +44,10 @@ class VisionTransformer(nn.Module):
         positional_embedding = self.param("positional_embedding", nn.initializers.normal(scale),
                                           (cfg.num_tokens, cfg.width), self.param_dtype)
         x = x + positional_embedding.astype(self.dtype)
+        if kept_patches is not None:
+            # take_along_axis keeps the batch a batch dimension of the gather: it stays split over devices
+            kept = jnp.take_along_axis(x[:, 1:], kept_patches[:, :, None], axis=1)  # [B, K, W]
+            x = jnp.concatenate([x[:, :1], kept], axis=1)  # [B, 1 + K, W]
         x = LayerNorm(self.dtype, self.param_dtype, name="ln_pre")(x)
         x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
@@ -46,3 +56,19 @@ class VisionTransformer(nn.Module):
         pooled = LayerNorm(self.dtype, self.param_dtype, name="ln_post")(x[:, 0])  # [B, W]
         proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
         return pooled @ proj.astype(self.dtype)
+
+
+def kept_patch_count(num_patches: int, patch_dropout: float) -> int:
+    """Patches a sample keeps under patch dropout `patch_dropout`, as OpenCLIP counts them."""
+    return max(1, int(num_patches * (1 - patch_dropout)))
+
+
+def kept_patch_indices(key: jax.Array, batch_size: int, num_patches: int, keep: int) -> jax.Array:
+    """[B, keep] int32: per sample, `keep` distinct patches drawn uniformly at random, in increasing order.
+
+    Row i depends only on `key` and i (JAX's partitionable threefry), so the patches a sample keeps do not depend
+    on how the batch is split over devices or micro-batches when drawn for the global batch.
+    """
+    noise = jax.random.uniform(key, (batch_size, num_patches))
+    _, indices = jax.lax.top_k(noise, keep)
+    return jnp.sort(indices, axis=-1).astype(jnp.int32)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.models import CLIPConfig
-from clip_jax.models.flops import forward_flops, train_flops
+from clip_jax.models.flops import forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import Transformer
 from clip_jax.plan.steps import compile_train_step
 from clip_jax.precision import get_policy
@@ -52,6 +52,8 @@ def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, boo
 def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bool) -> float:
     """XLA's count for one residual block of `tower` (a depth-2 scanned stack, whose loop body is counted once)."""
     width, heads, mlp_width, tokens, _, causal = _tower(setup.model, tower)
+    if train and tower == "image":
+        tokens = image_tokens(setup.model.vision, train=True)  # the step's blocks see only the kept patches
     policy = get_policy(setup.precision)
     stack = Transformer(width, 2, heads, mlp_width, causal=causal, quick_gelu=setup.model.quick_gelu,
                         dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=setup.remat_policy)

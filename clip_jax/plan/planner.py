@@ -10,6 +10,7 @@ from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
 from clip_jax.hardware import get_gpu
 from clip_jax.models import create_model, param_shapes
+from clip_jax.models.flops import forward_flops
 from clip_jax.parallel import create_mesh
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
 from clip_jax.plan.flops import flops_per_sample
@@ -132,7 +133,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
     rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
     if (accum_needed or 1) > 1:  # features are computed twice: one more forward per sample
-        rate *= flops.train_analytic / (flops.train_analytic + flops.forward_analytic)
+        rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, train=True))
     global_batch = batch_size * num_gpus
     run = run_length(config, global_batch, rate * num_gpus, num_gpus, price)
     fit = affine_fit(memory_probes)
