@@ -7,7 +7,9 @@ gather is differentiable (its transpose is a reduce-scatter), so gradients reach
 
 Sigmoid: every pair is a binary task of its own, so no row needs all its columns at once. Each device scores its
 own images against one `[B_local, E]` chunk of texts at a time, the chunks passed round the ring of devices
-(`ppermute`, whose transpose is the reverse ring): `[B_local, B_local]` logits whatever the device count.
+(`ppermute`, whose transpose is the reverse ring): `[B_local, B_local]` logits at a time whatever the device
+count. The backward keeps what each block needs (autodiff through the ring), `[B_local, B_global]` in all, as much
+as the softmax loss's logits: the memory per device falls with the device count alike, never `[B_global]^2`.
 
 Value and gradients of both equal the single-device loss on the global batch.
 """
