@@ -203,7 +203,7 @@ def test_conversion_carries_logit_bias_both_ways_and_open_clip_loads_it(siglip_t
     with torch.no_grad():
         *_, torch_bias = siglip_torch_model(torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(tokens))
     *_, bias = create_model(config).apply({"params": params}, images, tokens)
-    assert float(bias) == float(torch_bias)
+    assert float(bias) == torch_bias.item()
 
     # a [1]-shaped bias (OpenCLIP's nonscalar_logit_scale) converts to our scalar
     shaped = {**state_dict, "logit_bias": state_dict["logit_bias"].reshape(1)}
