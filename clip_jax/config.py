@@ -10,6 +10,7 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput
+from clip_jax.loss import LOSSES
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
@@ -48,6 +49,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.beta2 = 0.98
     c.eps = 1e-6
     c.grad_clip_norm = 0.0  # 0: no clipping
+    # clip: the softmax loss | siglip: the sigmoid loss (OpenCLIP's --siglip: a model config without
+    # init_logit_bias gets a logit_bias, -10, and the scale ln 10)
+    c.loss = "clip"
     # Patch dropout (FLIP) in training: the model config's vision patch_dropout, or this rate in [0, 1) instead
     # (0 for a final unmasked phase); -1: the model's. Eval never drops patches.
     c.force_patch_dropout = -1.0
@@ -104,6 +108,8 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
     if c.report_to not in REPORT_TO:
         problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
+    if c.loss not in LOSSES:
+        problems.append(f"loss={c.loss!r}: choose one of {tuple(LOSSES)}")
     if c.attention_impl not in ("auto", "xla", "cudnn"):
         problems.append(f"attention_impl={c.attention_impl!r}: choose auto, xla or cudnn")
     for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",

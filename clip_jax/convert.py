@@ -77,6 +77,7 @@ def _entries(config: CLIPConfig) -> list[_Entry]:
         _Entry("ln_final.bias", ("ln_final", "bias"), _SAME),
         _Entry("text_projection", ("text_projection",), _SAME),
         _Entry("logit_scale", ("logit_scale",), _SAME),
+        *([_Entry("logit_bias", ("logit_bias",), _SAME)] if config.init_logit_bias is not None else []),
     ]
 
 
@@ -116,6 +117,9 @@ def _describe_mismatch(config: CLIPConfig, missing, unexpected, misshaped, what:
         if items:
             shown = ", ".join(items[:12]) + (f", ... ({len(items) - 12} more)" if len(items) > 12 else "")
             lines.append(f"  {len(items)} {title}: {shown}")
+    if any(item.startswith("logit_bias") for item in missing + unexpected):
+        lines.append("  logit_bias is there when the model config sets init_logit_bias (a SigLIP model): give an "
+                     "OpenCLIP model-config .json with or without it, as the checkpoint was trained.")
     lines.append("  Check --model (the checkpoint may be of another architecture) and that the file is a CLIP "
                  "state_dict.")
     return "\n".join(lines)
@@ -131,7 +135,7 @@ def from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float
     """clip_jax params (nested dict of numpy arrays in `dtype`; None keeps the checkpoint's dtypes) from an
     OpenCLIP state_dict whose values are numpy arrays. A `module.` prefix is accepted."""
     config = get_model_config(name_or_config)
-    state_dict = {k: v for k, v in _strip_prefix(state_dict).items() if k not in _METADATA_KEYS}
+    state_dict = {k: _scalar_head(k, v) for k, v in _strip_prefix(state_dict).items() if k not in _METADATA_KEYS}
     expected = open_clip_shapes(config)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -151,6 +155,12 @@ def from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float
             node = node.setdefault(name, {})
         node[entry.path[-1]] = leaf
     return params
+
+
+def _scalar_head(key: str, value):
+    """OpenCLIP's `logit_scale` and `logit_bias` are scalars, or [1] in a model built with `nonscalar_logit_scale`
+    (its loader reshapes either into the other): ours are scalars."""
+    return np.reshape(value, ()) if key in ("logit_scale", "logit_bias") and np.shape(value) == (1,) else value
 
 
 def _flatten(params, prefix=()) -> dict[tuple[str, ...], Any]:

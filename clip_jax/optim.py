@@ -14,7 +14,8 @@ LOGIT_SCALE_MAX = math.log(100.0)
 
 
 def decays(names: list[str], ndim: int) -> bool:
-    """OpenCLIP's rule: no decay for params with ndim < 2, norm scales/biases, biases and `logit_scale`.
+    """OpenCLIP's rule: no decay for params with ndim < 2, norm scales/biases, biases, `logit_scale` and
+    `logit_bias`.
 
     `names` is the path in the parameter tree; `ndim` the rank of one layer's parameter (a scanned stack
     counts without its layer axis). Embeddings, projections and every kernel are decayed.
@@ -22,7 +23,7 @@ def decays(names: list[str], ndim: int) -> bool:
     if ndim < 2:
         return False
     is_norm = any(name.startswith(("ln", "bn")) for name in names)  # LayerNorm modules are named ln_*
-    return not (is_norm or names[-1] == "bias" or "logit_scale" in names)
+    return not (is_norm or names[-1] in ("bias", "logit_bias") or "logit_scale" in names)
 
 
 def decay_mask(params):

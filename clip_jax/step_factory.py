@@ -16,6 +16,7 @@ guessed back from shardings).
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
+from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
@@ -34,7 +36,8 @@ from clip_jax.precision import get_policy
 from clip_jax.train_step import TrainState, init_train_state, make_forward, make_train_step
 
 OPTIMIZERS = ("adamw", "sgd")  # sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
-LOSSES = ("clip",)  # OpenCLIP's contrastive softmax loss over the global batch (clip_jax.loss)
+# A model trained with the sigmoid loss and no logit_bias of its own gets OpenCLIP's --siglip head.
+SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10), -10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,8 @@ class StepSpec:
     remat_policy: str = "none"  # applied to every residual block; "none": keep all activations
     attention_impl: str = "xla"  # the kernel, as chosen: "xla" or "cudnn" (see `choose_attention_impl`)
     fsdp: bool = False  # params and optimizer state split over the devices (ZeRO-3), else replicated
+    # "clip": OpenCLIP's softmax loss; "siglip": the sigmoid loss, for which a model config without
+    # init_logit_bias is given OpenCLIP's --siglip head (scale ln 10, bias -10; one with it keeps its own)
     loss: str = "clip"
     optimizer: OptimizerSpec = OptimizerSpec()
     accum_steps: int = 1  # micro-batches per step, the loss still over the whole batch (OpenCLIP's accum_freq)
@@ -94,7 +99,10 @@ class StepSpec:
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
                              "(resolve 'auto' with choose_attention_impl)")
         if self.loss not in LOSSES:
-            raise InvalidInput(f"loss {self.loss!r}: choose one of {LOSSES}")
+            raise InvalidInput(f"loss {self.loss!r}: choose one of {tuple(LOSSES)}")
+        if self.loss == "siglip" and self.model.init_logit_bias is None:
+            object.__setattr__(self, "model", dataclasses.replace(
+                self.model, init_logit_scale=SIGLIP_INIT_LOGIT_SCALE, init_logit_bias=SIGLIP_INIT_LOGIT_BIAS))
         if self.accum_steps < 1:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.patch_dropout is not None:
@@ -118,7 +126,7 @@ class StepSpec:
         return cls(get_model_config(config.model), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
-                   fsdp=bool(config.fsdp), optimizer=optimizer, accum_steps=config.accum_freq,
+                   fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
                    else force_patch_dropout, seed=config.seed)
 
@@ -130,7 +138,8 @@ class StepSpec:
     def describe(self) -> str:
         patch_dropout = self.model.vision.patch_dropout
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
-                f"attention {self.attention_impl}" + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
+                f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
+                + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
@@ -183,7 +192,8 @@ class Step:
         return _compile(self.update.lower(self.abstract_state, self.abstract_batch(per_device_batch)), self.mesh)
 
     def forward(self) -> Callable:
-        """`forward(params, batch) -> (image_features, text_features, logit_scale)` as the step runs it."""
+        """`forward(params, batch) -> (image_features, text_features, logit_scale[, logit_bias])` as the step runs
+        it."""
         return make_forward(self.model, self.mesh, fsdp=self.spec.fsdp)
 
     def compile_forward(self, per_device_batch: int):
@@ -208,6 +218,6 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
-                             accum_steps=spec.accum_steps, patch_dropout=spec.model.vision.patch_dropout,
-                             seed=spec.seed)
+                             accum_steps=spec.accum_steps, loss=spec.loss,
+                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

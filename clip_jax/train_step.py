@@ -2,11 +2,12 @@
 
 `step(state, batch) -> (state, metrics)` takes a global batch split over the mesh axis `"data"`
 (`{"images": [B, H, W, 3] float32, "tokens": [B, context_length] int32}`), computes CLIP's contrastive loss
-over the whole batch, and applies one optimizer update. With `accum_steps = k > 1` the batch is processed as k
-micro-batches while the loss still sees every negative of the full batch (OpenCLIP's `--accum-freq`):
+(or SigLIP's sigmoid loss) over the whole batch, and applies one optimizer update. With `accum_steps = k > 1` the
+batch is processed as k micro-batches while the loss still sees every negative of the full batch (OpenCLIP's
+`--accum-freq`):
 
 1. features of every micro-batch, without gradients;
-2. loss and its gradient with respect to the features, on the full batch;
+2. loss and its gradient with respect to the features (and the shared scale and bias), on the full batch;
 3. per micro-batch, the forward again and a backward (a VJP) seeded with that micro-batch's feature gradients;
    the parameter gradients add up to the full-batch gradient.
 
@@ -27,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clip_jax.loss import contrastive_loss_and_accuracy
+from clip_jax.loss import LOSSES
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.optim import clamp_logit_scale
 from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
@@ -144,21 +145,22 @@ def global_norm(tree) -> jax.Array:
 
 
 def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch):
-    """(loss, accuracy, logit_scale, grads) from one forward and backward over the whole batch."""
+    """(loss, accuracy, logit_params, grads) from one forward and backward over the whole batch; logit_params:
+    the forward's outputs after the features, (scale,) or (scale, bias)."""
 
     def loss_on_params(params):
-        image_features, text_features, logit_scale = forward(params, batch)
-        loss, accuracy = loss_fn(image_features, text_features, logit_scale)
-        return loss, (accuracy, logit_scale)
+        image_features, text_features, *logit_params = forward(params, batch)
+        loss, accuracy = loss_fn(image_features, text_features, *logit_params)
+        return loss, (accuracy, tuple(logit_params))
 
-    (loss, (accuracy, logit_scale)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
-    return loss, accuracy, logit_scale, grads
+    (loss, (accuracy, logit_params)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
+    return loss, accuracy, logit_params, grads
 
 
 def accumulated_grads(
     forward: Callable, loss_fn: Callable, params, batch, *, accum_steps: int, mesh: Mesh, grad_shardings
 ):
-    """(loss, accuracy, logit_scale, grads) over k micro-batches, the loss still seeing the whole batch.
+    """(loss, accuracy, logit_params, grads) over k micro-batches, the loss still seeing the whole batch.
 
     Equal to `full_batch_grads` up to rounding; holds the activations of one micro-batch at a time.
     """
@@ -171,31 +173,31 @@ def accumulated_grads(
     micro_batches = jax.tree.map(split, batch)
 
     # 1. features of every micro-batch, no gradients
-    _, (image_features, text_features, logit_scales) = jax.lax.scan(
+    _, (image_features, text_features, *logit_params) = jax.lax.scan(
         lambda _, micro_batch: (None, forward(params, micro_batch)), None, micro_batches
     )
     image_features = merge_micro_batches(image_features, n_shards)  # [B, E]
     text_features = merge_micro_batches(text_features, n_shards)
-    logit_scale = logit_scales[0]  # the same in every micro-batch
+    logit_params = tuple(p[0] for p in logit_params)  # scale (and bias): the same in every micro-batch
 
-    # 2. the loss over the whole batch and its gradient with respect to the features
-    (loss, accuracy), (image_grads, text_grads, scale_grad) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1, 2), has_aux=True
-    )(image_features, text_features, logit_scale)
+    # 2. the loss over the whole batch and its gradient with respect to the features, the scale (and the bias)
+    (loss, accuracy), (image_grads, text_grads, *logit_grads) = jax.value_and_grad(
+        loss_fn, argnums=tuple(range(2 + len(logit_params))), has_aux=True
+    )(image_features, text_features, *logit_params)
 
     # 3. per micro-batch: forward again, backward seeded with its feature gradients; the sum is the gradient
     def backward(grad_sum, inputs):
         micro_batch, micro_image_grads, micro_text_grads = inputs
         _, pullback = jax.vjp(lambda p: forward(p, micro_batch), params)
-        # the scale is shared: each micro-batch carries 1/k of its gradient
-        (grads,) = pullback((micro_image_grads, micro_text_grads, scale_grad / accum_steps))
+        # the scale (and bias) are shared: each micro-batch carries 1/k of their gradient
+        (grads,) = pullback((micro_image_grads, micro_text_grads, *(g / accum_steps for g in logit_grads)))
         return jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grad_sum, grads), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)  # split like the params under FSDP
     grad_sum, _ = jax.lax.scan(backward, zeros, (micro_batches, split(image_grads), split(text_grads)))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
-    return loss, accuracy, logit_scale, grads
+    return loss, accuracy, logit_params, grads
 
 
 def make_train_step(
@@ -207,14 +209,17 @@ def make_train_step(
     *,
     fsdp: bool,
     accum_steps: int = 1,
+    loss: str = "clip",
     patch_dropout: float = 0.0,
     seed: int = 0,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
 
-    `shardings`: the train state's shardings (split under `fsdp`, else replicated). metrics: `loss`, `accuracy`
-    (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
+    `shardings`: the train state's shardings (split under `fsdp`, else replicated). `loss`: a name of
+    `clip_jax.loss.LOSSES`, "clip" (softmax) or "siglip" (sigmoid: the model needs a `logit_bias`). metrics: `loss`,
+    `accuracy` (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this
+    step), `logit_bias` (when the model has one),
     `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
     was skipped for a non-finite loss or gradient).
     `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
@@ -222,11 +227,19 @@ def make_train_step(
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r}: choose one of {tuple(LOSSES)}")
+    if loss == "siglip" and model.config.init_logit_bias is None:
+        raise ValueError(f"loss 'siglip' needs a model with a logit_bias, and {model.config.name!r} has none: set "
+                         "init_logit_bias in its config (StepSpec does, as OpenCLIP's --siglip)")
     n_shards = data_parallel_size(mesh)
     forward = make_forward(model, mesh, fsdp=fsdp)
+    loss_function = LOSSES[loss]
 
-    def loss_fn(image_features, text_features, logit_scale):
-        return contrastive_loss_and_accuracy(image_features, text_features, logit_scale, mesh=mesh)
+    def loss_fn(image_features, text_features, logit_scale, *logit_bias):
+        if loss == "clip":  # a bias, when the model has one, cancels in the softmax loss: its gradient is zero
+            logit_bias = ()
+        return loss_function(image_features, text_features, logit_scale, *logit_bias, mesh=mesh)
 
     if accum_steps == 1:
         compute_grads = partial(full_batch_grads, forward, loss_fn)
@@ -255,7 +268,7 @@ def make_train_step(
             )
         if patch_dropout > 0:
             batch = {**batch, "kept_patches": step_kept_patches(state.step, batch_size)}
-        loss, accuracy, logit_scale, grads = compute_grads(state.params, batch)
+        loss, accuracy, logit_params, grads = compute_grads(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
         grad_norm = global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -268,11 +281,13 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "accuracy": accuracy,
-            "logit_scale": logit_scale,
+            "logit_scale": logit_params[0],
             "grad_norm": grad_norm,
             "learning_rate": learning_rate_fn(state.step),
             "finite": finite,
         }
+        if len(logit_params) > 1:
+            metrics["logit_bias"] = logit_params[1]
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(

@@ -1,6 +1,5 @@
 """The two-tower CLIP model, with the text tower at the top of the parameter tree as in OpenCLIP's state_dict."""
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,8 +12,6 @@ from clip_jax.models.config import CLIPConfig, get_model_config
 from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, LayerNorm, Transformer, resolve_remat_policy
 from clip_jax.models.vit import VisionTransformer
 
-INIT_LOGIT_SCALE = math.log(1 / 0.07)
-
 
 def l2_normalize(x):
     """Unit rows in float32 (a zero row stays zero rather than becoming NaN)."""
@@ -24,7 +21,8 @@ def l2_normalize(x):
 
 class CLIP(nn.Module):
     """`apply({"params": p}, images, tokens) -> (image_features, text_features, exp(logit_scale))`, features
-    L2-normalised in float32. `method="encode_image"` / `"encode_text"` run one tower.
+    L2-normalised in float32, and `logit_bias` after them when the config has `init_logit_bias` (a SigLIP model,
+    as OpenCLIP's forward returns it). `method="encode_image"` / `"encode_text"` run one tower.
 
     `layer_params_hook`: see `Transformer`; passed to both towers' residual stacks (None: parameters as stored).
     `kept_patches` ([B, K] patch indices, the train step's patch dropout; see `VisionTransformer`): None runs
@@ -53,8 +51,11 @@ class CLIP(nn.Module):
         self.ln_final = LayerNorm(self.dtype, self.param_dtype)
         self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
                                           (text.width, cfg.embed_dim), self.param_dtype)
-        self.logit_scale = self.param("logit_scale", nn.initializers.constant(INIT_LOGIT_SCALE), (),
+        self.logit_scale = self.param("logit_scale", nn.initializers.constant(cfg.init_logit_scale), (),
                                       self.param_dtype)
+        if cfg.init_logit_bias is not None:
+            self.logit_bias = self.param("logit_bias", nn.initializers.constant(cfg.init_logit_bias), (),
+                                         self.param_dtype)
 
     def encode_image(self, images, normalize: bool = True, kept_patches=None):  # [B, H, W, 3] -> [B, E]
         features = self.visual(images, kept_patches)
@@ -75,8 +76,11 @@ class CLIP(nn.Module):
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def __call__(self, images, tokens, kept_patches=None):
-        return (self.encode_image(images, kept_patches=kept_patches), self.encode_text(tokens),
-                jnp.exp(self.logit_scale.astype(jnp.float32)))
+        outputs = (self.encode_image(images, kept_patches=kept_patches), self.encode_text(tokens),
+                   jnp.exp(self.logit_scale.astype(jnp.float32)))
+        if self.config.init_logit_bias is None:
+            return outputs
+        return (*outputs, self.logit_bias.astype(jnp.float32))
 
 
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,

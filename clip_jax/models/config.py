@@ -8,6 +8,7 @@ under any of them.
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -57,6 +58,10 @@ class CLIPConfig:
     text: TextConfig
     quick_gelu: bool = False  # OpenAI's original checkpoints use x * sigmoid(1.702 x); OpenCLIP's own use exact GELU
     name: str = "custom"
+    # The head, as OpenCLIP's `init_logit_scale` / `init_logit_bias`: the raw scale's initial value, and the
+    # initial value of a learned `logit_bias` the model has only when this is set (SigLIP: ln 10 and -10).
+    init_logit_scale: float = math.log(1 / 0.07)
+    init_logit_bias: float | None = None
 
     def __post_init__(self):
         for tower in (self.vision, self.text):
@@ -117,7 +122,7 @@ _IGNORED_KEYS = {
     "timm_model_name", "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias",
     "timm_drop", "timm_drop_path", "hf_model_pretrained", "hf_tokenizer_name", "tokenizer_kwargs", "proj",
     "pooler_type",
-    "custom_text", "init_logit_scale", "init_logit_bias", "cast_dtype", "image_mean", "image_std",
+    "custom_text", "cast_dtype", "image_mean", "image_std",
     "image_interpolation", "image_resize_mode", "preprocess_cfg", "output_tokens", "ls_init_value", "embed_cls",
     "pad_id", "no_causal_mask", "final_ln_after_pool", "pool_type", "attentional_pool", "proj_type", "proj_bias",
     "act_kwargs", "norm_kwargs", "no_ln_pre", "hf_model_name", "hf_proj_type", "hf_pooler_type", "n_queries",
@@ -189,8 +194,9 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPC
         raise InvalidInput(f"model config {name!r} lacks required key {e.args[0]!r}") from None
     if isinstance(v.get("image_size"), (list, tuple)):
         raise InvalidInput(f"model config {name!r}: non-square image_size is not supported")
+    head = {k: float(cfg[k]) for k in ("init_logit_scale", "init_logit_bias") if cfg.get(k) is not None}
     return CLIPConfig(embed_dim=int(cfg["embed_dim"]), vision=vision, text=text,
-                      quick_gelu=bool(cfg.get("quick_gelu", False)), name=name)
+                      quick_gelu=bool(cfg.get("quick_gelu", False)), name=name, **head)
 
 
 def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CLIPConfig") -> CLIPConfig:
