@@ -2,6 +2,7 @@
 
     python benchmarks/siglip_loss.py [--global-batch 8192] [--per-device-batch 1024] [--embed-dim 768]
                                      [--loss-batch 128] [--model small] [--step-batch 32] [--steps 10]
+    python benchmarks/siglip_loss.py --local-step-only --model ViT-B-16 --step-batch 256 --precision bf16  # a GPU
 
 Memory: each loss with its gradient (features, scale, bias) compiled from abstract inputs on the CPU with 8
 simulated devices, XLA's memory analysis read per device (temporaries), at a fixed global batch (the sharded
@@ -10,7 +11,9 @@ per-device batch (the weak-scaling view: every device scores its rows against th
 Step time: the whole train step (forward, loss, backward, AdamW) of `--model` on every device (default `small`, a
 4-layer ViT at 64 px, where the loss weighs more than in any real model), both losses built in the same run and
 taking turns step by step; the ratio of median step times siglip / softmax, and of the two
-losses alone (value and gradient, `--loss-batch` per device). Writes benchmarks/out/siglip_loss.json.
+losses alone (value and gradient, `--loss-batch` per device). With `--local-step-only`, only the train step is
+timed, on this machine's own devices (a GPU), under `--precision` with the attention "auto" picks. Writes
+OUT/siglip_loss.json (OUT: benchmarks/out).
 """
 
 import argparse
@@ -25,7 +28,9 @@ import numpy as np
 from train_step import random_batch, time_steps
 
 from clip_jax.loss import LOSSES
+from clip_jax.models.layers import choose_attention_impl
 from clip_jax.parallel import batch_sharding, create_mesh, make_global_batch, replicated
+from clip_jax.precision import get_policy
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -75,11 +80,13 @@ def time_losses(per_device_batch: int, embed_dim: int, steps: int) -> dict:
     return {"clip_s": clip, "siglip_s": siglip, "ratio": siglip / clip}
 
 
-def time_train_steps(model: str, per_device_batch: int, steps: int) -> dict:
+def time_train_steps(model: str, per_device_batch: int, steps: int, precision: str = "fp32") -> dict:
     """Median seconds of the whole train step with each loss, on every device, taking turns."""
     runs = []
+    attention = choose_attention_impl("auto", jax.devices()[0].platform, get_policy(precision).compute_dtype)
     for loss in ("clip", "siglip"):
-        spec = StepSpec(SMALL if model == "small" else model, loss=loss, optimizer=OptimizerSpec(lr=1e-4))
+        spec = StepSpec(SMALL if model == "small" else model, precision, attention_impl=attention, loss=loss,
+                        optimizer=OptimizerSpec(lr=1e-4))
         step = build_step(spec, mesh_for(spec))
         batch = make_global_batch(random_batch(spec.model, per_device_batch * jax.device_count()), step.mesh)
         holder = [step.init(seed=0)]
@@ -90,7 +97,8 @@ def time_train_steps(model: str, per_device_batch: int, steps: int) -> dict:
 
         runs.append(run)
     clip, siglip = (statistics.median(t) for t in time_steps(runs, steps, warmup=2))
-    return {"model": model, "per_device_batch": per_device_batch, "devices": jax.device_count(), "clip_s": clip,
+    return {"model": model, "precision": precision, "attention": attention, "per_device_batch": per_device_batch,
+            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind, "clip_s": clip,
             "siglip_s": siglip, "ratio": siglip / clip}
 
 
@@ -103,7 +111,24 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="model of the timed train step (a name, .json, small)")
     parser.add_argument("--step-batch", type=int, default=32, help="per-device batch of the timed train step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "pure_bf16"],
+                        help="of the timed train step")
+    parser.add_argument("--local-step-only", action="store_true",
+                        help="time only the train step, on this machine's devices (no simulated CPU devices)")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
     args = parser.parse_args()
+    out = pathlib.Path(args.out) / "siglip_loss.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.local_step_only:
+        step_time = time_train_steps(args.model, args.step_batch, args.steps, args.precision)
+        print(f"train step, {args.model} {args.precision} ({step_time['attention']} attention), {args.step_batch} per "
+              f"device on {jax.device_count()} x {step_time['device_kind']}, median of {args.steps} taking turns: "
+              f"softmax {step_time['clip_s'] * 1e3:.1f} ms, sigmoid {step_time['siglip_s'] * 1e3:.1f} ms, ratio "
+              f"{step_time['ratio']:.3f}")
+        out.write_text(json.dumps({"benchmark": "siglip_loss", "jax": jax.__version__, "step_time": step_time},
+                                  indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts: 8 simulated devices
 
@@ -111,7 +136,7 @@ def main() -> None:
     strong = memory_rows(args.global_batch, None, args.embed_dim)
     weak = memory_rows(None, args.per_device_batch, args.embed_dim)
     loss_time = time_losses(args.loss_batch, args.embed_dim, args.steps)
-    step_time = time_train_steps(args.model, args.step_batch, args.steps)
+    step_time = time_train_steps(args.model, args.step_batch, args.steps, args.precision)
 
     mib = 2**20
     for title, rows in ((f"fixed global batch {args.global_batch}", strong),
@@ -130,8 +155,6 @@ def main() -> None:
     print(f"  train step, {args.model}, {args.step_batch} per device: softmax {step_time['clip_s'] * 1e3:.1f} ms, "
           f"sigmoid {step_time['siglip_s'] * 1e3:.1f} ms, ratio {step_time['ratio']:.3f}")
 
-    out = pathlib.Path(__file__).parent / "out" / "siglip_loss.json"
-    out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"benchmark": "siglip_loss", "embed_dim": args.embed_dim, "jax": jax.__version__,
                                "python": platform.python_version(), "fixed_global_batch": strong,
                                "fixed_per_device_batch": weak, "loss_time": loss_time, "step_time": step_time},
