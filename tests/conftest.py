@@ -6,7 +6,6 @@ import copy
 import json
 import os
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,13 +16,8 @@ import jax  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
-# The model most unit tests compile: two layers a tower and a vocabulary of 1,000, so a sharded step compiles in
-# seconds. (The OpenCLIP parity tests use their own, with more heads, in open_clip_reference.py.)
-TINY_MODEL = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
+import tiny_model  # noqa: E402  (imports clip_jax: after the settings above)
+
 # The trainer's tests read Fashion-MNIST shards (28 px images) and tokenize real captions (OpenAI's vocabulary).
 TRAINER_MODEL = {
     "embed_dim": 32,
@@ -35,22 +29,13 @@ TRAINER_MODEL = {
 @pytest.fixture(scope="module")
 def tiny_model_config():
     """OpenCLIP's config format for the tiny model; a copy for each test module."""
-    return copy.deepcopy(TINY_MODEL)
-
-
-def _random_batch(rows: int) -> dict[str, np.ndarray]:
-    """Images and tokens for the tiny model (token ids below its vocabulary of 1000)."""
-    rng = np.random.default_rng(0)
-    return {
-        "images": rng.normal(size=(rows, 32, 32, 3)).astype(np.float32),
-        "tokens": rng.integers(1, 1000, size=(rows, 16)).astype(np.int32),
-    }
+    return copy.deepcopy(tiny_model.TINY_MODEL)
 
 
 @pytest.fixture(scope="session")
 def random_batch():
     """`random_batch(rows)`: the same random images and tokens for the tiny model on every call."""
-    return _random_batch
+    return tiny_model.random_batch
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,8 @@ from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.parallel import create_mesh, make_global_batch
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 from clip_jax.train_step import TrainState, patch_dropout_key
-from test_train_step import TINY as TINY_WITHOUT, assert_same_update, random_batch
+from tiny_model import TINY_MODEL as TINY_WITHOUT
+from tiny_model import assert_same_update, random_batch
 
 TINY = {**TINY_WITHOUT, "vision_cfg": {**TINY_WITHOUT["vision_cfg"], "patch_dropout": 0.5}}  # 16 patches, 8 kept
 GLOBAL_BATCH = 16

@@ -26,7 +26,8 @@ from clip_jax.step_factory import StepSpec, build_step
 from clip_jax.train_step import make_train_step
 from open_clip_reference import TINY as OPEN_CLIP_TINY
 from open_clip_reference import open_clip_model, random_inputs, state_dict_numpy
-from test_train_step import SGD, SGD_LR, TINY, assert_same_update, random_batch
+from tiny_model import SGD, SGD_LR, assert_same_update, random_batch
+from tiny_model import TINY_MODEL as TINY
 
 SIGLIP_TINY = {**TINY, "init_logit_scale": math.log(10), "init_logit_bias": -10.0}
 

@@ -13,9 +13,9 @@ from clip_jax.parallel import (batch_sharding, create_mesh, fsdp_data_size, fsdp
                                make_global_batch)
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
 from clip_jax.train_step import TrainState, merge_micro_batches, split_micro_batches
+from tiny_model import SGD, SGD_LR, assert_same_update
 
 GLOBAL_BATCH = 32
-SGD_LR = 0.5  # plain SGD, so the parameter change is the gradient itself (Adam's first step is ~sign(grad))
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,6 @@ def batch(random_batch):
     return random_batch(GLOBAL_BATCH)
 
 
-SGD = OptimizerSpec("sgd", lr=SGD_LR)
-
-
 def sgd_step(config, params, batch, *, n_devices, accum_steps=1, fsdp=False, remat_policy="none"):
     """(params after one SGD step of `config`'s model as numpy, metrics) on the first `n_devices` devices."""
     mesh = create_mesh(jax.devices()[:n_devices])
@@ -43,23 +40,6 @@ def sgd_step(config, params, batch, *, n_devices, accum_steps=1, fsdp=False, rem
     step = build_step(spec, mesh)
     state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
-
-
-def assert_same_update(params, after, expected_after, rtol=1e-4):
-    """The parameter changes agree leaf by leaf (relative to the size of the change)."""
-    for path, before in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = jax.tree_util.keystr(path)
-        delta = np.asarray(_get(after, path), np.float64) - before
-        expected = np.asarray(_get(expected_after, path), np.float64) - before
-        scale = np.linalg.norm(expected)
-        assert scale > 0, name
-        assert np.linalg.norm(delta - expected) <= rtol * scale, name
-
-
-def _get(tree, path):
-    for key in path:
-        tree = tree[key.key]
-    return tree
 
 
 @pytest.fixture(scope="module")
