@@ -41,6 +41,13 @@ def _count_correct(mesh, ks, features, classifier, labels, valid):
     return jax.lax.with_sharding_constraint(jnp.stack(counts), replicated(mesh))
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _gathered_logits(mesh, features, classifier, labels, valid):
+    """Logits [B, C], labels [B] and valid [B] of a global batch, replicated so that every process holds them."""
+    out = (zeroshot_logits(features, classifier), labels, valid)
+    return jax.lax.with_sharding_constraint(out, replicated(mesh))
+
+
 class ZeroShotEvaluator:
     """Zero-shot accuracy of `model` on `dataset`: `evaluator(params) -> {"top1": ..., "top5": ..., "num_images": N}`.
 
@@ -102,7 +109,28 @@ class ZeroShotEvaluator:
         metrics["num_images"] = num_images
         return metrics
 
-    def _encoded_batches(self, params, num_classes: int, progress: bool):
+    def logits(self, params, *, classifier: np.ndarray | None = None, progress: bool = False,
+               check_labels: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Host logits float32 [N, C] and labels int32 [N] of every image, on every process, for metrics that need
+        more than counts (per-class recall, average precision). Rows come in batch order (process-interleaved when
+        there are several processes), each with its own label. `check_labels=False` lets a source use labels that
+        are not class indices (e.g. row indices into multi-hot targets held elsewhere)."""
+        params = self.encoder.place(params)
+        if classifier is None:
+            classifier = self.classifier(params, progress=progress)
+        num_classes = classifier.shape[1]
+        classifier = replicate(np.asarray(classifier, np.float32), self.mesh)
+        logits, labels = [], []
+        for features, batch_labels, valid in self._encoded_batches(params, num_classes, progress, check_labels):
+            rows = [np.asarray(x) for x in _gathered_logits(self.mesh, features, classifier, batch_labels, valid)]
+            logits.append(rows[0][rows[2]])
+            labels.append(rows[1][rows[2]])
+        logits, labels = np.concatenate(logits), np.concatenate(labels)
+        if len(labels) != len(self.dataset):
+            raise RuntimeError(f"evaluated {len(labels)} images of {len(self.dataset)}")
+        return logits, labels
+
+    def _encoded_batches(self, params, num_classes: int, progress: bool, check_labels: bool = True):
         """(image features [B, E], labels [B], valid [B]) of every global batch, on the mesh."""
         process_index, process_count = jax.process_index(), jax.process_count()
         name, num_images, local_batch = self.dataset.name, len(self.dataset), self.local_batch
@@ -119,7 +147,7 @@ class ZeroShotEvaluator:
         for step, batch in enumerate(batches):
             labels = batch["labels"][batch["valid"]]
             bad = labels[(labels < 0) | (labels >= num_classes)]
-            if bad.size:
+            if check_labels and bad.size:
                 raise InvalidInput(f"{name} has label {int(bad[0])} but {num_classes} class names (labels "
                                    f"0..{num_classes - 1}): give one class name per label")
             batch = make_global_batch(batch, self.mesh)

@@ -93,3 +93,70 @@ def retrieval_recall(image_features: np.ndarray, text_features: np.ndarray, capt
         metrics[f"image_to_text_recall@{k}"] = float(np.mean(i2t < k))
         metrics[f"text_to_image_recall@{k}"] = float(np.mean(t2i < k))
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Classification metrics over host logits (CLIP_benchmark's names: acc1, acc5, mean_per_class_recall,
+# mean_average_precision). The tie rule is the one above: equal scores order by class (or image) index.
+
+
+def class_ranks(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Rank of each row's label among its classes: logits [N, C], labels int [N] -> int [N] (C for a NaN)."""
+    logits = np.asarray(logits)
+    labels = np.asarray(labels, np.int64)
+    if logits.ndim != 2 or labels.shape != (len(logits),):
+        raise InvalidInput(f"logits {logits.shape} and labels {labels.shape} must be [N, C] and [N]")
+    if labels.size and (labels.min() < 0 or labels.max() >= logits.shape[1]):
+        raise InvalidInput(f"labels must lie in [0, {logits.shape[1]}): there are {logits.shape[1]} classes")
+    return _ranks_of(logits, labels)
+
+
+def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """The fraction of rows whose label ranks below `k`; NaN when there are fewer than `k` classes (a top-5 of a
+    4-class set says nothing, and CLIP_benchmark reports it as NaN too)."""
+    if np.asarray(logits).shape[1] < k:
+        return float("nan")
+    return float(np.mean(class_ranks(logits, labels) < k))
+
+
+def predictions(logits: np.ndarray) -> np.ndarray:
+    """The top class of each row [N]: the highest score, the lowest class index among equal ones (NaN never wins
+    unless the whole row is NaN)."""
+    logits = np.asarray(logits, np.float64)
+    return np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=1)
+
+
+def mean_per_class_recall(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Balanced accuracy: for each class that occurs among the labels, the fraction of its images predicted as it;
+    then the mean over those classes (classes without images do not count)."""
+    labels = np.asarray(labels, np.int64)
+    class_ranks(logits, labels)  # checks shapes and range
+    correct = predictions(logits) == labels
+    present = np.unique(labels)
+    hits = np.bincount(labels, weights=correct, minlength=int(present.max()) + 1 if present.size else 0)
+    counts = np.bincount(labels, minlength=len(hits))
+    return float(np.mean(hits[present] / counts[present])) if present.size else float("nan")
+
+
+def average_precision(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Average precision of each class [C] for scores [N, C] and multi-hot targets [N, C].
+
+    Images are ranked by score per class (highest first, ties by image index); a class's AP is the mean, over its
+    positive images, of the precision at each one's rank: sum(precision at positives) / max(number of positives, 1).
+    A class without positives therefore has AP 0 (the convention of CLIP_benchmark's multilabel mAP).
+    """
+    scores = np.asarray(scores, np.float64)
+    targets = np.asarray(targets)
+    if scores.ndim != 2 or targets.shape != scores.shape:
+        raise InvalidInput(f"scores {scores.shape} and targets {targets.shape} must both be [N, C]")
+    positive = targets > 0
+    # Stable sort of the negated scores: highest first, equal scores in image order.
+    order = np.argsort(-scores, axis=0, kind="stable")  # [N, C]
+    truth = np.take_along_axis(positive, order, axis=0)  # [N, C], positives in ranked order
+    precision = np.cumsum(truth, axis=0) / np.arange(1, len(scores) + 1)[:, None]
+    return np.sum(precision * truth, axis=0) / np.maximum(truth.sum(axis=0), 1)
+
+
+def mean_average_precision(scores: np.ndarray, targets: np.ndarray) -> float:
+    """The mean over all classes of `average_precision`."""
+    return float(np.mean(average_precision(scores, targets)))
