@@ -1,0 +1,107 @@
+"""CLIP_benchmark's metrics and result files for datasets in its webdataset layout (see `clip_benchmark`).
+
+Classification: `acc1`, `acc5` (NaN below 5 classes) and `mean_per_class_recall` from the zero-shot logits
+(`100 * image_features @ classifier`, prompts `template.format(c=class_name)`). Multilabel: `mean_average_precision`
+of those logits against the multi-hot targets. Retrieval: `image_retrieval_recall@k` (for each caption, its image is
+among the k best images) and `text_retrieval_recall@k` (for each image, one of its captions is among the k best
+captions). Each dataset's result is CLIP_benchmark's JSON record: `dataset`, `model`, `pretrained`, `task`,
+`metrics`, `language`; a collection's records are summarised in one CSV row per dataset.
+"""
+
+import csv
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.evaluation import metrics as metrics_lib
+from clip_jax.evaluation.classification import ZeroShotEvaluator
+from clip_jax.evaluation.clip_benchmark import BenchmarkDataset
+from clip_jax.evaluation.retrieval import evaluate_retrieval
+
+RECORD_FIELDS = ("dataset", "model", "pretrained", "task", "language")
+
+
+def classification_metrics(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """`acc1`, `acc5`, `mean_per_class_recall` of logits [N, C] and class labels [N]."""
+    return {"acc1": metrics_lib.topk_accuracy(logits, labels, 1), "acc5": metrics_lib.topk_accuracy(logits, labels, 5),
+            "mean_per_class_recall": metrics_lib.mean_per_class_recall(logits, labels)}
+
+
+def retrieval_metric_names(recall: dict[str, float]) -> dict[str, float]:
+    """Our recall names -> CLIP_benchmark's: text->image is its image retrieval, image->text its text retrieval."""
+    renamed = {}
+    for key, value in recall.items():
+        if key.startswith("text_to_image_recall@"):
+            renamed["image_retrieval_recall@" + key.split("@")[1]] = value
+        elif key.startswith("image_to_text_recall@"):
+            renamed["text_retrieval_recall@" + key.split("@")[1]] = value
+    return dict(sorted(renamed.items(), key=lambda kv: (kv[0].split("@")[0], int(kv[0].split("@")[1]))))
+
+
+def evaluate_benchmark(model, params, dataset: BenchmarkDataset, mesh: Mesh, *, batch_size: int = 256,
+                       mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
+                       recall_ks: Sequence[int] = (1, 5, 10), num_threads: int | None = None,
+                       progress: bool = False) -> dict[str, float]:
+    """The dataset's metrics under CLIP_benchmark's names (see the module docstring)."""
+    if dataset.retrieval is not None:
+        recall = evaluate_retrieval(model, params, dataset.retrieval, mesh, batch_size=batch_size, mean=mean, std=std,
+                                    ks=recall_ks, progress=progress)
+        return retrieval_metric_names(recall)
+    evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, batch_size=batch_size, mean=mean, std=std,
+                                  num_threads=num_threads)
+    multilabel = dataset.targets is not None
+    logits, labels = evaluator.logits(params, progress=progress, check_labels=not multilabel)
+    if multilabel:  # labels are row indices into the multi-hot targets
+        return {"mean_average_precision": metrics_lib.mean_average_precision(logits, dataset.targets[labels])}
+    return classification_metrics(logits, labels)
+
+
+def result_record(dataset: BenchmarkDataset, metrics: dict[str, float], *, model: str, pretrained: str,
+                  language: str = "en") -> dict:
+    """CLIP_benchmark's result JSON for one dataset."""
+    return {"dataset": dataset.name, "model": model, "pretrained": pretrained, "task": dataset.layout.task,
+            "metrics": metrics, "language": language}
+
+
+def _slug(text: str) -> str:
+    return text.replace("/", "_").replace(os.sep, "_")
+
+
+def result_filename(record: dict) -> str:
+    """`{dataset}_{pretrained}_{model}_{language}_{task}.json`, CLIP_benchmark's default name (the dataset without
+    its `wds/` prefix, slashes made underscores)."""
+    parts = [record["dataset"].removeprefix("wds/"), *(str(record[k]) for k in ("pretrained", "model", "language",
+                                                                                 "task"))]
+    return "_".join(_slug(p) for p in parts) + ".json"
+
+
+def write_record(record: dict, directory: str) -> str:
+    """Writes one result JSON into `directory`; returns its path. NaN metrics are written as NaN, like
+    CLIP_benchmark's files."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, result_filename(record))
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def write_summary(records: Sequence[dict], path: str) -> None:
+    """One CSV row per dataset: the record's fields, then every metric that occurs (empty where a dataset has
+    none of that name)."""
+    names = []
+    for record in records:
+        names.extend(k for k in record["metrics"] if k not in names)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*RECORD_FIELDS, *names])
+        for record in records:
+            cells = [record["metrics"].get(n, "") for n in names]
+            writer.writerow([record[k] for k in RECORD_FIELDS] + ["nan" if isinstance(c, float) and math.isnan(c)
+                                                                   else c for c in cells])
