@@ -5,8 +5,15 @@
 
 Datasets (any number of them): `--imagenet-val DIR` (class folders, OpenCLIP's layout; the 80 OpenAI templates),
 `--tfds NAME` (a prepared ArrayRecord TFDS dataset), `--demo` (Fashion-MNIST test, 10,000 images, its own prompts),
-`--retrieval PATTERN` (webdataset shards of images with captions). The batch is split over all devices; the table
-is printed and the metrics written as JSON.
+`--retrieval PATTERN` (webdataset shards of images with captions), `--benchmark DIR` (a dataset in CLIP_benchmark's
+webdataset layout, or a collection folder of them). The batch is split over all devices; the table is printed and
+the metrics written as JSON.
+
+    python -m clip_jax.zeroshot --model ViT-L-14 --checkpoint run/ --benchmark /data/clip_benchmark \
+        --output-dir results/
+
+evaluates every CLIP_benchmark dataset under /data/clip_benchmark (classification, multilabel, retrieval) and
+writes CLIP_benchmark's result JSON for each, plus `results/benchmark.csv` with one row per dataset.
 """
 
 import argparse
@@ -24,6 +31,8 @@ from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, UserError
+from clip_jax.evaluation import benchmark as benchmark_lib
+from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation import prompts as prompts_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.classifier import check_vocabulary
@@ -70,6 +79,54 @@ def classification_sets(args) -> list[ClassificationSet]:
     return [s.head(args.limit) if args.limit else s for s in sets]
 
 
+def benchmark_layouts(args) -> list[clip_benchmark.Layout]:
+    """The CLIP_benchmark datasets named by `--benchmark` (folders or collections), all checked before any runs."""
+    layouts = [layout for root in args.benchmark or () for layout in clip_benchmark.find_datasets(root, args.split)]
+    names = [layout.name for layout in layouts]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        raise InvalidInput(f"two --benchmark datasets are both named {duplicate!r}; their result files would clash")
+    return layouts
+
+
+def model_label(model: str) -> str:
+    """The `model` of a result record: the name, or a model-config file's name without `.json`."""
+    return os.path.splitext(os.path.basename(model))[0] if model.endswith(".json") else model
+
+
+def pretrained_label(args) -> str:
+    """The `pretrained` of a result record: `--pretrained-name`, else the checkpoint's file or folder name."""
+    if args.pretrained_name:
+        return args.pretrained_name
+    if not args.checkpoint:
+        return f"random-init-seed{args.seed}"
+    return os.path.basename(os.path.normpath(args.checkpoint))
+
+
+def run_benchmark(args, model, params, mesh, layouts, batch_size: int) -> list[dict]:
+    """Evaluates each CLIP_benchmark dataset in turn; writes its record (and, at the end, the CSV) on process 0."""
+    records = []
+    write = jax.process_index() == 0
+    for layout in layouts:
+        dataset = clip_benchmark.open_dataset(layout)
+        if args.limit:
+            dataset = dataset.head(args.limit)
+        start = time.perf_counter()
+        metrics = benchmark_lib.evaluate_benchmark(model, params, dataset, mesh, batch_size=batch_size,
+                                                   mean=tuple(args.mean), std=tuple(args.std),
+                                                   recall_ks=tuple(args.recall_k), num_threads=args.workers,
+                                                   progress=not args.no_progress)
+        record = benchmark_lib.result_record(dataset, metrics, model=model_label(args.model),
+                                             pretrained=pretrained_label(args), language=args.language)
+        if write:
+            path = benchmark_lib.write_record(record, args.output_dir)
+            print(f"{dataset.name}: {time.perf_counter() - start:.1f} s, {path}")
+        records.append(record)
+    if write and records:
+        benchmark_lib.write_summary(records, os.path.join(args.output_dir, "benchmark.csv"))
+    return records
+
+
 def format_tables(results: dict) -> str:
     lines = []
     classification = {k: v for k, v in results.items() if "top1" in v}
@@ -81,6 +138,10 @@ def format_tables(results: dict) -> str:
             lines.append(f"{name:<{width}} {m['num_images']:>8} {m['num_classes']:>8} {100 * m['top1']:7.2f}% "
                          f"{top5} {m['images_per_s']:>9.1f}")
     for name, m in results.items():
+        if "task" in m:  # a CLIP_benchmark record
+            cells = "  ".join(f"{k} {100 * v:6.2f}%" for k, v in m["metrics"].items())
+            lines.append(f"{name} ({m['task']}): {cells}")
+            continue
         if "top1" in m:
             continue
         ks = sorted(int(k.split("@")[1]) for k in m if k.startswith("image_to_text_recall@"))
@@ -96,6 +157,7 @@ def run(args) -> dict:
     check_vocabulary(model)
     mesh = create_mesh()
     datasets = classification_sets(args)
+    layouts = benchmark_layouts(args)
     retrieval_set = load_retrieval_set(args.retrieval) if args.retrieval else None
     if retrieval_set is not None and args.limit:
         retrieval_set = first_images(retrieval_set, args.limit)
@@ -128,6 +190,8 @@ def run(args) -> dict:
         metrics = evaluate_retrieval(model, params, retrieval_set, mesh, batch_size=batch_size, mean=tuple(args.mean),
                                      std=tuple(args.std), progress=progress)
         results[f"retrieval:{args.retrieval}"] = {**metrics, "seconds": time.perf_counter() - start}
+    for record in run_benchmark(args, model, params, mesh, layouts, batch_size):
+        results[record["dataset"]] = record
     return {"model": args.model, "checkpoint": args.checkpoint, "num_devices": mesh.size,
             "compute_dtype": args.compute_dtype, "batch_size": batch_size, "results": results}
 
@@ -147,6 +211,18 @@ def parse_args(argv=None):
     data.add_argument("--retrieval", metavar="PATTERN",
                       help="webdataset shards of images with captions (json 'captions' or txt lines), e.g. "
                       "'/data/coco/{0..4}.tar'")
+    data.add_argument("--benchmark", metavar="DIR", action="append",
+                      help="a dataset in CLIP_benchmark's webdataset layout (classnames.txt, "
+                      "zeroshot_classification_templates.txt, dataset_type.txt, SPLIT/nshards.txt, SPLIT/0.tar...), "
+                      "or a folder of such datasets (a collection); repeatable")
+    data.add_argument("--split", default="test", help="split of the --benchmark datasets")
+    data.add_argument("--recall-k", type=int, nargs="+", default=[1, 5, 10], metavar="K",
+                      help="k of the --benchmark retrieval recalls")
+    data.add_argument("--output-dir", default="benchmark_results", metavar="DIR",
+                      help="where the --benchmark result JSONs and benchmark.csv go")
+    data.add_argument("--pretrained-name", help="the 'pretrained' of the --benchmark records (default: the "
+                      "checkpoint's file or folder name)")
+    data.add_argument("--language", default="en", help="the 'language' of the --benchmark records")
     data.add_argument("--class-names", metavar="FILE", help="class names for --imagenet-val / --tfds, in label "
                       "order (JSON list or one per line)")
     data.add_argument("--templates", help=f"prompt templates for --imagenet-val / --tfds: "
@@ -165,8 +241,11 @@ def parse_args(argv=None):
     parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (one "
                         "process per host or per GPU, e.g. under srun)")
     args = parser.parse_args(argv)
-    if not (args.imagenet_val or args.tfds or args.demo or args.retrieval):
-        parser.error("no dataset: give --imagenet-val DIR, --tfds NAME, --demo and/or --retrieval PATTERN")
+    if not (args.imagenet_val or args.tfds or args.demo or args.retrieval or args.benchmark):
+        parser.error("no dataset: give --imagenet-val DIR, --tfds NAME, --demo, --retrieval PATTERN and/or "
+                     "--benchmark DIR")
+    if min(args.recall_k) < 1:
+        parser.error("--recall-k values must be at least 1")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
     if args.batch_size < 1:
