@@ -9,7 +9,7 @@ import os
 
 import ml_collections
 
-from clip_jax.errors import InvalidInput
+from clip_jax.errors import InvalidInput, UserError
 from clip_jax.loss import LOSSES
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
@@ -76,7 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.keep = 3  # checkpoints kept
 
     # Evaluation.
-    c.zeroshot_data = ""  # "demo" (bundled Fashion-MNIST test split), an image folder (ImageNet val layout), or ""
+    # "demo" (bundled Fashion-MNIST test split), an image folder (ImageNet val layout), a classification dataset in
+    # CLIP_benchmark's webdataset layout (its test split), or ""
+    c.zeroshot_data = ""
     c.zeroshot_frequency = 1  # evaluate every this many epochs (0: only at the end), when zeroshot_data is set
     c.zeroshot_samples = 0  # evaluate on the first N images only (0: all)
 
@@ -133,6 +135,15 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     if c.resume and c.resume != "latest" and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
     if c.zeroshot_data and c.zeroshot_data != "demo" and not os.path.isdir(c.zeroshot_data):
-        problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder")
+        problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder nor a "
+                        "CLIP_benchmark dataset folder")
+    elif c.zeroshot_data and c.zeroshot_data != "demo":
+        from clip_jax.evaluation import clip_benchmark
+
+        if clip_benchmark.is_dataset_folder(c.zeroshot_data):
+            try:
+                clip_benchmark.check_training_layout(c.zeroshot_data)
+            except UserError as e:
+                problems.append(f"zeroshot_data={c.zeroshot_data!r}: {e}")
     if problems:
         raise InvalidInput("bad config:\n  " + "\n  ".join(problems))

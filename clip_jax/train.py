@@ -342,9 +342,14 @@ class Trainer:
         """Built at the first evaluation and kept: the set, its prompt tokens and the compiled towers are reused."""
         from clip_jax.evaluation import ZeroShotEvaluator, open_classification_set
 
+        from clip_jax.evaluation import clip_benchmark
+
         c = self.config
-        kind, location = ("demo", None) if c.zeroshot_data == "demo" else ("imagenet-val", c.zeroshot_data)
-        dataset = open_classification_set(kind, location)
+        if c.zeroshot_data != "demo" and clip_benchmark.is_dataset_folder(c.zeroshot_data):
+            dataset = clip_benchmark.open_training_set(c.zeroshot_data)
+        else:
+            kind, location = ("demo", None) if c.zeroshot_data == "demo" else ("imagenet-val", c.zeroshot_data)
+            dataset = open_classification_set(kind, location)
         if c.zeroshot_samples:
             dataset = dataset.head(c.zeroshot_samples)
         # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
