@@ -42,6 +42,9 @@ setup(
             "torchvision==0.29.1",
             "open-clip-torch==3.3.0",
             "webdataset>=1.0.2",
+            # LAION's clip-benchmark (installed by .ci/setup.sh without its dependencies) imports scikit-learn in its
+            # classification metrics; the tests also use it as an independent reference for balanced accuracy and AP.
+            "scikit-learn>=1.0,<2",
         ],
     },
 )

@@ -1,0 +1,374 @@
+"""CLIP_benchmark's datasets and metrics: LAION's own `clip-benchmark` package scores an OpenCLIP model made from
+clip_jax params on small datasets in its webdataset layout, and `python -m clip_jax.zeroshot --benchmark` must report
+the same numbers; the metrics against independent computations; and every bad file named in one clear error."""
+
+import csv
+import io
+import json
+import math
+import os
+import tarfile
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from PIL import Image
+
+from clip_jax import convert, zeroshot
+from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.evaluation import clip_benchmark
+from clip_jax.evaluation import metrics as metrics_lib
+from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
+
+CLASSES = ["bag", "boot", "coat", "dress", "shirt", "sandal"]
+TEMPLATES = ["a photo of a {c}.", "a {c}, seen from afar.", "{c}"]
+RECALL_K = [1, 2, 5]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing datasets in CLIP_benchmark's layout (with the standard library's tarfile, not the code under test)
+
+
+def _image(rng, fmt: str) -> tuple[str, bytes]:
+    """A photo-like RGB image of random size, encoded: (extension, bytes)."""
+    coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    size = (int(rng.integers(24, 60)), int(rng.integers(24, 60)))
+    image = Image.fromarray(coarse).resize(size, Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, **{"webp": {"format": "webp", "lossless": True}, "png": {"format": "png"},
+                       "jpg": {"format": "jpeg", "quality": 90}}[fmt])
+    return fmt, out.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_dataset(root, samples, *, dataset_type=None, class_names=None, templates=None, split="test",
+                  per_shard=8):
+    """`samples`: dicts of extension -> bytes (the sample key is added); written as shards of `per_shard`."""
+    root.mkdir(parents=True)
+    (root / split).mkdir()
+    if dataset_type:
+        (root / "dataset_type.txt").write_text(dataset_type + "\n")
+    if class_names:
+        (root / "classnames.txt").write_text("\n".join(class_names) + "\n")
+    if templates:
+        (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n")
+    shards = [samples[i:i + per_shard] for i in range(0, len(samples), per_shard)]
+    for index, shard in enumerate(shards):
+        with tarfile.open(root / split / f"{index}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for number, files in enumerate(shard):
+                for ext, data in files.items():
+                    _add(tar, f"s{index:03d}{number:04d}.{ext}", data)
+    (root / split / "nshards.txt").write_text(f"{len(shards)}\n")
+    return root
+
+
+def classification_samples(num=30, seed=0):
+    rng = np.random.default_rng(seed)
+    formats = ("webp", "png", "jpg")
+    return [dict([_image(rng, formats[i % 3]), ("cls", str(i % len(CLASSES)).encode())]) for i in range(num)]
+
+
+def retrieval_samples(num=12, seed=1):
+    rng = np.random.default_rng(seed)
+    words = ["red", "blue", "small", "large", "striped", "dotted", "round", "square", "bright", "dark"]
+    samples = []
+    for i in range(num):
+        captions = [" ".join(rng.choice(words, 3)) + f" thing {i}" for _ in range(2 + i % 2)]
+        samples.append(dict([_image(rng, ("webp", "png")[i % 2]), ("txt", "\n".join(captions).encode())]))
+    return samples
+
+
+def multilabel_samples(num=16, num_classes=4, seed=2):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(num):
+        target = (rng.random(num_classes) < 0.4).astype(np.int64)
+        target[i % num_classes] = 1
+        npy = io.BytesIO()
+        np.save(npy, target)
+        samples.append(dict([_image(rng, "png"), ("npy", npy.getvalue())]))
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model: clip_jax params with non-trivial values, turned into a real OpenCLIP model
+
+
+@pytest.fixture(scope="module")
+def params():
+    """Random params (OpenCLIP's init perturbed: cheaper than compiling ours), as clip_jax holds them."""
+    return convert.from_open_clip(state_dict_numpy(open_clip_model(TINY_77, seed=3)), TINY_77)
+
+
+@pytest.fixture(scope="module")
+def torch_model(params):
+    """The OpenCLIP model of those params: clip_jax -> `convert.to_open_clip` -> OpenCLIP's own CLIP."""
+    model = open_clip.CLIP(**TINY_77)
+    state = {k: torch.from_numpy(np.asarray(v)) for k, v in convert.to_open_clip(params, TINY_77).items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, params):
+    """A model config file, a clip_jax checkpoint and a collection of three datasets."""
+    root = tmp_path_factory.mktemp("cb")
+    model_json = root / "tiny77.json"
+    model_json.write_text(json.dumps(TINY_77))
+    checkpoint = root / "tiny.npz"
+    convert.save_params(str(checkpoint), params)
+    collection = root / "collection"
+    write_dataset(collection / "vtab" / "fashion", classification_samples(), class_names=CLASSES,
+                  templates=TEMPLATES)
+    write_dataset(collection / "captions", retrieval_samples(), dataset_type="retrieval")
+    write_dataset(collection / "tags", multilabel_samples(), dataset_type="multilabel",
+                  class_names=["red thing", "round thing", "small thing", "dark thing"], templates=TEMPLATES[:2])
+    return {"model": str(model_json), "checkpoint": str(checkpoint), "collection": collection}
+
+
+@pytest.fixture(scope="module")
+def ours(setup, tmp_path_factory):
+    """`python -m clip_jax.zeroshot --benchmark COLLECTION`, in-process: the records it wrote, by dataset."""
+    out = tmp_path_factory.mktemp("results")
+    argv = ["--model", setup["model"], "--checkpoint", setup["checkpoint"], "--benchmark", str(setup["collection"]),
+            "--output-dir", str(out), "--recall-k", *map(str, RECALL_K), "--batch-size", "16", "--no-progress",
+            "--workers", "2", "--output", str(out / "all.json")]
+    assert zeroshot.main(argv) == 0
+    records = {}
+    for name in os.listdir(out):
+        if name.endswith(".json") and name != "all.json":
+            record = json.loads((out / name).read_text())
+            records[record["dataset"]] = (name, record)
+    return out, records
+
+
+def _benchmark_dataset(folder, name, task):
+    """CLIP_benchmark's own reader of its webdataset layout, with OpenCLIP's eval transform."""
+    from clip_benchmark.datasets.builder import build_dataset
+
+    transform = open_clip.image_transform(32, is_train=False, mean=OPENAI_MEAN, std=OPENAI_STD)
+    return build_dataset(f"wds/{name}", root=str(folder), transform=transform, split="test", task=task)
+
+
+def _loader(dataset, collate=None):
+    batched = dataset.batched(10, collation_fn=collate) if collate else dataset.batched(10)
+    return torch.utils.data.DataLoader(batched, batch_size=None, num_workers=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Agreement with LAION's clip-benchmark
+
+
+def test_classification_equals_clip_benchmarks(setup, ours, torch_model):
+    from clip_benchmark.metrics.zeroshot_classification import run_classification, zero_shot_classifier
+    from sklearn.metrics import balanced_accuracy_score
+
+    dataset = _benchmark_dataset(setup["collection"] / "vtab" / "fashion", "vtab/fashion", "zeroshot_classification")
+    assert dataset.classes == CLASSES and dataset.templates == TEMPLATES
+    classifier = zero_shot_classifier(torch_model, open_clip.tokenize, dataset.classes, dataset.templates, "cpu",
+                                      amp=False)
+    logits, target = run_classification(torch_model, classifier, _loader(dataset), "cpu", amp=False)
+    assert logits.shape == (30, 6)
+    # Its accuracy(): top-k of torch.topk (called here without the float() of a 1-element array NumPy 2 refuses).
+    hits = logits.topk(5, 1, True, True)[1].t() == target.view(1, -1)
+    acc1, acc5 = float(hits[:1].sum()) / 30, float(hits[:5].sum()) / 30
+    recall = balanced_accuracy_score(target.numpy(), logits.argmax(axis=1).numpy())
+
+    name, record = ours[1]["wds/vtab/fashion"]
+    assert name == "vtab_fashion_tiny.npz_tiny77_en_zeroshot_classification.json"
+    assert {k: record[k] for k in ("dataset", "model", "pretrained", "task", "language")} == {
+        "dataset": "wds/vtab/fashion", "model": "tiny77", "pretrained": "tiny.npz",
+        "task": "zeroshot_classification", "language": "en"}
+    assert record["metrics"] == {"acc1": acc1, "acc5": acc5, "mean_per_class_recall": pytest.approx(recall, abs=1e-12)}
+    assert 0 < acc1 < 1 and acc1 < acc5 < 1 and 0 < recall < 1  # informative: neither all right nor all wrong
+
+
+def test_retrieval_equals_clip_benchmarks(setup, ours, torch_model):
+    from clip_benchmark.datasets.builder import image_captions_collate_fn
+    from clip_benchmark.metrics import zeroshot_retrieval
+
+    dataset = _benchmark_dataset(setup["collection"] / "captions", "captions", "zeroshot_retrieval")
+    theirs = zeroshot_retrieval.evaluate(torch_model, _loader(dataset, image_captions_collate_fn), open_clip.tokenize,
+                                         "cpu", amp=False, recall_k_list=RECALL_K)
+    _, record = ours[1]["wds/captions"]
+    assert record["task"] == "zeroshot_retrieval"
+    assert sorted(record["metrics"]) == sorted(theirs) and len(theirs) == 2 * len(RECALL_K)
+    # The same hits: its fractions are float32 means over the 30 captions (image retrieval) or 12 images (text).
+    for key, value in theirs.items():
+        count = 30 if key.startswith("image_") else 12
+        assert round(record["metrics"][key] * count) == round(value * count), key
+        assert record["metrics"][key] == pytest.approx(value, abs=1e-7)
+    assert any(0 < v < 1 for v in theirs.values())
+
+
+def test_multilabel_map_equals_clip_benchmarks(setup, ours, torch_model):
+    from clip_benchmark.metrics.zeroshot_classification import (
+        average_precision_per_class,
+        run_classification,
+        zero_shot_classifier,
+    )
+
+    dataset = _benchmark_dataset(setup["collection"] / "tags", "tags", "zeroshot_classification")
+    classifier = zero_shot_classifier(torch_model, open_clip.tokenize, dataset.classes, dataset.templates, "cpu",
+                                      amp=False)
+    logits, target = run_classification(torch_model, classifier, _loader(dataset), "cpu", amp=False)
+    assert target.shape == (16, 4)
+    theirs = average_precision_per_class(logits, target).mean().item()
+    _, record = ours[1]["wds/tags"]
+    assert record["metrics"] == {"mean_average_precision": pytest.approx(theirs, abs=1e-6)}  # float32 torch vs ours
+
+
+def test_a_collection_writes_one_json_per_dataset_and_a_csv(ours):
+    out, records = ours
+    assert sorted(records) == ["wds/captions", "wds/tags", "wds/vtab/fashion"]
+    with open(out / "benchmark.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["dataset"] for r in rows] == ["wds/captions", "wds/tags", "wds/vtab/fashion"]
+    by_name = {r["dataset"]: r for r in rows}
+    assert float(by_name["wds/vtab/fashion"]["acc1"]) == records["wds/vtab/fashion"][1]["metrics"]["acc1"]
+    assert by_name["wds/tags"]["acc1"] == "" and by_name["wds/captions"]["task"] == "zeroshot_retrieval"
+    summary = json.loads((out / "all.json").read_text())["results"]
+    assert summary["wds/tags"]["metrics"] == records["wds/tags"][1]["metrics"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics against independent computations
+
+
+def _numpy_average_precision(scores, targets):
+    """Per class: rank images by score (no ties here), precision at each positive, their mean (0 without one)."""
+    out = []
+    for c in range(scores.shape[1]):
+        order = sorted(range(len(scores)), key=lambda i: -scores[i, c])
+        hits, precisions = 0, []
+        for rank, i in enumerate(order, 1):
+            if targets[i, c]:
+                hits += 1
+                precisions.append(hits / rank)
+        out.append(sum(precisions) / len(precisions) if precisions else 0.0)
+    return np.array(out)
+
+
+def test_average_precision_matches_a_plain_loop_and_sklearn():
+    from sklearn.metrics import average_precision_score
+
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(40, 5))
+    targets = (rng.random((40, 5)) < 0.3).astype(int)
+    targets[:, 4] = 0  # a class without positives: AP 0, and it still counts in the mean
+    ap = metrics_lib.average_precision(scores, targets)
+    np.testing.assert_allclose(ap, _numpy_average_precision(scores, targets), rtol=0, atol=1e-12)
+    for c in range(4):
+        assert ap[c] == pytest.approx(average_precision_score(targets[:, c], scores[:, c]), abs=1e-12)
+    assert ap[4] == 0
+    assert metrics_lib.mean_average_precision(scores, targets) == pytest.approx(ap.mean(), abs=1e-15)
+
+
+def test_average_precision_orders_equal_scores_by_image_index():
+    # Images 0 and 1 tie; image 1 is the positive, so it ranks second: precision 1/2.
+    assert metrics_lib.average_precision(np.array([[1.0], [1.0], [0.0]]), np.array([[0], [1], [0]]))[0] == 0.5
+
+
+def test_mean_per_class_recall_and_topk_match_plain_loops():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(50, 7))
+    labels = rng.integers(0, 6, 50)  # class 6 never occurs: it does not count
+    recalls = []
+    for c in range(7):
+        rows = [i for i in range(50) if labels[i] == c]
+        if rows:
+            recalls.append(sum(int(np.argmax(logits[i]) == c) for i in rows) / len(rows))
+    assert metrics_lib.mean_per_class_recall(logits, labels) == pytest.approx(np.mean(recalls), abs=1e-12)
+    for k in (1, 5):
+        expected = np.mean([labels[i] in np.argsort(-logits[i])[:k] for i in range(50)])
+        assert metrics_lib.topk_accuracy(logits, labels, k) == expected
+    assert math.isnan(metrics_lib.topk_accuracy(logits[:, :4], np.minimum(labels, 3), 5))  # 4 classes: no top-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: one clear error naming the file
+
+
+@pytest.fixture
+def good(tmp_path):
+    return write_dataset(tmp_path / "ds", classification_samples(10), class_names=CLASSES, templates=TEMPLATES)
+
+
+@pytest.mark.parametrize("break_it, error, names", [
+    (lambda d: os.remove(d / "test" / "nshards.txt"), MissingInput, "test/nshards.txt"),
+    (lambda d: (d / "test" / "nshards.txt").write_text("two\n"), InvalidInput, "test/nshards.txt"),
+    (lambda d: (d / "test" / "nshards.txt").write_text("3\n"), MissingInput, "test/2.tar"),
+    (lambda d: os.remove(d / "classnames.txt"), MissingInput, "classnames.txt"),
+    (lambda d: (d / "classnames.txt").write_text("bag\n\nboot\n"), InvalidInput, "classnames.txt line 2"),
+    (lambda d: (d / "zeroshot_classification_templates.txt").write_text("a photo of a {}.\n"), InvalidInput,
+     "zeroshot_classification_templates.txt line 1"),
+    (lambda d: (d / "zeroshot_classification_templates.txt").write_text("a photo.\n"), InvalidInput,
+     "zeroshot_classification_templates.txt line 1"),
+    (lambda d: (d / "dataset_type.txt").write_text("segmentation\n"), InvalidInput, "dataset_type.txt"),
+])
+def test_a_missing_or_malformed_metadata_file_is_named(good, break_it, error, names):
+    break_it(good)
+    with pytest.raises(error, match=names):
+        clip_benchmark.open_dataset(str(good))
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"cls": b"0"}, r"s0000000 has no image"),
+    ({"png": None, "cls": b"one"}, r"s0000000\.cls must hold a class index"),
+    ({"png": None, "cls": b"6"}, r"s0000000\.cls has label 6 but .*classnames\.txt names 6 classes"),
+    ({"png": None}, r"s0000000 has no \.cls file"),
+])
+def test_a_bad_sample_is_named_with_its_shard(tmp_path, files, message):
+    image = classification_samples(1)[0]
+    files = {k: (v if v is not None else image["webp"]) for k, v in files.items()}
+    folder = write_dataset(tmp_path / "ds", [files], class_names=CLASSES, templates=TEMPLATES)
+    with pytest.raises(InvalidInput, match=r"test/0\.tar:" + message):
+        clip_benchmark.open_dataset(str(folder))
+
+
+def test_bad_retrieval_and_multilabel_samples_are_named(tmp_path):
+    image = classification_samples(1)[0]["webp"]
+    folder = write_dataset(tmp_path / "r", [{"webp": image, "txt": b"\n \n"}], dataset_type="retrieval")
+    with pytest.raises(InvalidInput, match=r"0\.tar:s0000000\.txt holds no caption"):
+        clip_benchmark.open_dataset(str(folder))
+    npy = io.BytesIO()
+    np.save(npy, np.ones(3))
+    folder = write_dataset(tmp_path / "m", [{"webp": image, "npy": npy.getvalue()}], dataset_type="multilabel",
+                           class_names=CLASSES, templates=TEMPLATES)
+    with pytest.raises(InvalidInput, match=r"0\.tar:s0000000\.npy holds float64 \(3,\); .* 6 classes"):
+        clip_benchmark.open_dataset(str(folder))
+
+
+def test_a_truncated_shard_is_named(good):
+    shard = good / "test" / "0.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(InvalidInput, match=r"test/0\.tar is not a readable tar file"):
+        clip_benchmark.open_dataset(str(good))
+
+
+def test_the_command_line_names_the_file_and_exits_2(setup, good, tmp_path, capsys):
+    os.remove(good / "classnames.txt")
+    assert zeroshot.main(["--model", setup["model"], "--benchmark", str(good), "--output-dir", str(tmp_path)]) == 2
+    assert f"{good}/classnames.txt does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert zeroshot.main(["--model", setup["model"], "--benchmark", str(tmp_path / "empty")]) == 2
+    assert "is no CLIP_benchmark dataset" in capsys.readouterr().err
+
+
+def test_the_samples_are_read_back_by_offset(good):
+    """Random access returns each sample's own image bytes (CLIP_benchmark's preference: webp, png, jpg)."""
+    dataset = clip_benchmark.open_dataset(str(good))
+    expected = classification_samples(10)
+    source = dataset.classification.source
+    for i in (9, 0, 5, 8):
+        item = source[i]
+        assert item["image"] == next(v for k, v in expected[i].items() if k != "cls")
+        assert item["label"] == i % len(CLASSES)
+    assert dataset.classification.prompts[1] == ("a photo of a boot.", "a boot, seen from afar.", "boot")
