@@ -372,3 +372,44 @@ def test_the_samples_are_read_back_by_offset(good):
         assert item["image"] == next(v for k, v in expected[i].items() if k != "cls")
         assert item["label"] == i % len(CLASSES)
     assert dataset.classification.prompts[1] == ("a photo of a boot.", "a boot, seen from afar.", "boot")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In training: zeroshot_data names a CLIP_benchmark dataset
+
+
+def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_path):
+    """The trainer's evaluator (built as `Trainer.zeroshot_evaluator` builds it) on the classification folder gives
+    the command line's acc1 and acc5 on the same params."""
+    import types
+
+    from clip_jax import train as train_lib
+    from clip_jax.config import check_config
+    from clip_jax.parallel import create_mesh
+    from trainer_run import tiny_config
+
+    folder = setup["collection"] / "vtab" / "fashion"
+    config = tiny_config(("/data/{000..001}.tar", setup["model"]), tmp_path, zeroshot_data=str(folder))
+    check_config(config, num_devices=8)
+    trainer = types.SimpleNamespace(config=config, mesh=create_mesh())
+    evaluator = train_lib.Trainer.zeroshot_evaluator.func(trainer)
+    assert evaluator.dataset.name == "wds/fashion" and evaluator.dataset.class_names == tuple(CLASSES)
+    metrics = evaluator(params)
+    expected = ours[1]["wds/vtab/fashion"][1]["metrics"]
+    assert (metrics["top1"], metrics["top5"], metrics["num_images"]) == (expected["acc1"], expected["acc5"], 30)
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ("captions", "dataset_type.txt says retrieval; training's zero-shot evaluation needs a classification dataset"),
+    ("broken", "classnames.txt does not exist"),
+])
+def test_check_config_refuses_a_benchmark_folder_it_cannot_evaluate(setup, tmp_path, dataset, message):
+    from clip_jax.config import check_config
+    from trainer_run import tiny_config
+
+    folder = setup["collection"] / dataset
+    if dataset == "broken":
+        folder = write_dataset(tmp_path / "broken", classification_samples(2), templates=TEMPLATES)
+    config = tiny_config(("/data/{000..001}.tar", setup["model"]), tmp_path, zeroshot_data=str(folder))
+    with pytest.raises(ValueError, match=f"zeroshot_data='{folder}': .*{message}"):
+        check_config(config, num_devices=8)
