@@ -9,11 +9,14 @@
 Modules: `sources` (image folders, TFDS, in-memory arrays, retrieval shards), `datasets` (classification sets with
 their class names and prompts), `batches` (the eval transform, padded batches), `encoder` (the image and text towers
 over the mesh), `classifier` and `classification` (zero-shot accuracy), `retrieval` and `metrics` (recall@k, ranks),
-`prompts` (class names and templates). The command line is `python -m clip_jax.zeroshot`.
+`prompts` (class names and templates), `clip_benchmark` (LAION's CLIP_benchmark webdataset layout) and `benchmark`
+(its metrics and result files). The command line is `python -m clip_jax.zeroshot`.
 """
 
+from clip_jax.evaluation.benchmark import evaluate_benchmark
 from clip_jax.evaluation.classification import ZeroShotEvaluator, evaluate_zeroshot
 from clip_jax.evaluation.classifier import build_zeroshot_classifier, zeroshot_logits
+from clip_jax.evaluation.clip_benchmark import BenchmarkDataset, find_datasets, open_dataset, read_layout
 from clip_jax.evaluation.datasets import (
     KINDS,
     ClassificationSet,
@@ -23,14 +26,22 @@ from clip_jax.evaluation.datasets import (
     tfds_set,
 )
 from clip_jax.evaluation.encoder import ShardedEncoder
-from clip_jax.evaluation.metrics import label_ranks, retrieval_recall
+from clip_jax.evaluation.metrics import (
+    average_precision,
+    label_ranks,
+    mean_average_precision,
+    mean_per_class_recall,
+    retrieval_recall,
+    topk_accuracy,
+)
 from clip_jax.evaluation.prompts import imagenet_class_names, imagenet_wnids, templates
 from clip_jax.evaluation.retrieval import evaluate_retrieval
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set
 
 __all__ = [
-    "KINDS", "ClassificationSet", "RetrievalSet", "ShardedEncoder", "ZeroShotEvaluator", "build_zeroshot_classifier",
-    "demo_set", "evaluate_retrieval", "evaluate_zeroshot", "image_folder_set", "imagenet_class_names",
-    "imagenet_wnids", "label_ranks", "load_retrieval_set", "open_classification_set", "retrieval_recall",
-    "templates", "tfds_set", "zeroshot_logits",
+    "KINDS", "BenchmarkDataset", "ClassificationSet", "RetrievalSet", "ShardedEncoder", "ZeroShotEvaluator",
+    "average_precision", "build_zeroshot_classifier", "demo_set", "evaluate_benchmark", "evaluate_retrieval",
+    "evaluate_zeroshot", "find_datasets", "image_folder_set", "imagenet_class_names", "imagenet_wnids", "label_ranks",
+    "load_retrieval_set", "mean_average_precision", "mean_per_class_recall", "open_classification_set",
+    "open_dataset", "read_layout", "retrieval_recall", "templates", "tfds_set", "topk_accuracy", "zeroshot_logits",
 ]
