@@ -104,11 +104,12 @@ def pretrained_label(args) -> str:
 
 
 def run_benchmark(args, model, params, mesh, layouts, batch_size: int) -> list[dict]:
-    """Evaluates each CLIP_benchmark dataset in turn; writes its record (and, at the end, the CSV) on process 0."""
+    """Evaluates each CLIP_benchmark dataset in turn; writes its record (and, at the end, the CSV) on process 0.
+    Every dataset's shards are scanned first, so a bad sample stops the command before any evaluation."""
     records = []
     write = jax.process_index() == 0
-    for layout in layouts:
-        dataset = clip_benchmark.open_dataset(layout)
+    datasets = [clip_benchmark.open_dataset(layout) for layout in layouts]
+    for dataset in datasets:
         if args.limit:
             dataset = dataset.head(args.limit)
         start = time.perf_counter()

@@ -413,3 +413,12 @@ def test_check_config_refuses_a_benchmark_folder_it_cannot_evaluate(setup, tmp_p
     config = tiny_config(("/data/{000..001}.tar", setup["model"]), tmp_path, zeroshot_data=str(folder))
     with pytest.raises(ValueError, match=f"zeroshot_data='{folder}': .*{message}"):
         check_config(config, num_devices=8)
+
+
+def test_head_keeps_the_first_images_and_their_captions(setup):
+    retrieval = clip_benchmark.open_dataset(str(setup["collection"] / "captions")).head(3)
+    assert retrieval.retrieval.num_images == 3
+    assert list(retrieval.retrieval.caption_image) == [0, 0, 1, 1, 1, 2, 2]  # 2, 3, 2 captions
+    assert retrieval.retrieval.captions[2].endswith("thing 1")
+    classification = clip_benchmark.open_dataset(str(setup["collection"] / "vtab" / "fashion")).head(4)
+    assert len(classification.classification) == 4
