@@ -422,3 +422,50 @@ def test_head_keeps_the_first_images_and_their_captions(setup):
     assert retrieval.retrieval.captions[2].endswith("thing 1")
     classification = clip_benchmark.open_dataset(str(setup["collection"] / "vtab" / "fashion")).head(4)
     assert len(classification.classification) == 4
+
+
+_WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid, params_path, model_json, collection = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+from clip_jax.convert import load_params
+from clip_jax.evaluation import evaluate_benchmark, open_dataset
+from clip_jax.models import create_model
+from clip_jax.parallel import create_mesh
+model, params, mesh = create_model(model_json), load_params(params_path), create_mesh()
+metrics = {name: evaluate_benchmark(model, params, open_dataset(os.path.join(collection, name)), mesh, batch_size=8,
+                                    num_threads=2)
+           for name in ("vtab/fashion", "tags")}
+print("METRICS " + json.dumps(metrics))
+"""
+
+
+def test_two_processes_each_get_the_global_metrics(setup, ours):
+    """30 images over 2 processes x 4 devices, 4 rows per process and step: every process gathers all logits and
+    reports the single-process numbers (per-class recall and mAP need every image, not counts)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)
+    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(pid), setup["checkpoint"],
+                                 setup["model"], str(setup["collection"])], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env) for pid in range(2)]
+    outputs = [w.communicate(timeout=300) for w in workers]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err[-3000:]
+    results = [json.loads(next(line for line in out.splitlines() if line.startswith("METRICS "))[8:])
+               for out, _ in outputs]
+    assert results[0] == results[1]
+    assert results[0]["vtab/fashion"] == ours[1]["wds/vtab/fashion"][1]["metrics"]
+    expected_map = ours[1]["wds/tags"][1]["metrics"]["mean_average_precision"]
+    assert results[0]["tags"]["mean_average_precision"] == pytest.approx(expected_map, abs=1e-6)
