@@ -360,6 +360,8 @@ def test_the_command_line_names_the_file_and_exits_2(setup, good, tmp_path, caps
     (tmp_path / "empty").mkdir()
     assert zeroshot.main(["--model", setup["model"], "--benchmark", str(tmp_path / "empty")]) == 2
     assert "is no CLIP_benchmark dataset" in capsys.readouterr().err
+    assert zeroshot.main(["--model", setup["model"], "--benchmark", "https://huggingface.co/datasets/x/y"]) == 2
+    assert "are read from local folders" in capsys.readouterr().err
 
 
 def test_the_samples_are_read_back_by_offset(good):

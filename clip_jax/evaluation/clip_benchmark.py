@@ -131,6 +131,9 @@ def is_dataset_folder(path: str, split: str = "test") -> bool:
 def find_datasets(root: str, split: str = "test") -> list[Layout]:
     """`root` itself when it is a dataset folder, else every dataset folder under it (a collection), sorted by
     path; each one's metadata is checked before anything is evaluated."""
+    if "://" in root:
+        raise InvalidInput(f"{root}: CLIP_benchmark datasets are read from local folders; download it first (e.g. "
+                           "`huggingface-cli download --repo-type dataset clip-benchmark/wds_NAME --local-dir DIR`)")
     if not os.path.isdir(root):
         raise MissingInput(f"CLIP_benchmark dataset or collection folder {root} does not exist")
     if is_dataset_folder(root, split):
