@@ -81,7 +81,14 @@ def classification_sets(args) -> list[ClassificationSet]:
 
 def benchmark_layouts(args) -> list[clip_benchmark.Layout]:
     """The CLIP_benchmark datasets named by `--benchmark` (folders or collections), all checked before any runs."""
-    layouts = [layout for root in args.benchmark or () for layout in clip_benchmark.find_datasets(root, args.split)]
+    if args.datasets:
+        if not args.benchmark:
+            raise InvalidInput("--datasets names CLIP_benchmark datasets to look up under the --benchmark folder(s); "
+                               "give --benchmark ROOT")
+        layouts = clip_benchmark.find_named(args.benchmark, clip_benchmark.read_names(args.datasets), args.split)
+    else:
+        layouts = [layout for root in args.benchmark or ()
+                   for layout in clip_benchmark.find_datasets(root, args.split)]
     names = [layout.name for layout in layouts]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
@@ -216,6 +223,10 @@ def parse_args(argv=None):
                       help="a dataset in CLIP_benchmark's webdataset layout (classnames.txt, "
                       "zeroshot_classification_templates.txt, dataset_type.txt, SPLIT/nshards.txt, SPLIT/0.tar...), "
                       "or a folder of such datasets (a collection); repeatable")
+    data.add_argument("--datasets", nargs="+", metavar="NAME_OR_FILE",
+                      help="evaluate only these datasets of the --benchmark folder(s), by CLIP_benchmark's names "
+                      "(e.g. wds/vtab/cifar10, found as ROOT/vtab/cifar10 or ROOT/wds_vtab-cifar10), or files of "
+                      "one name per line (e.g. its VTAB+ list); the records keep these names")
     data.add_argument("--split", default="test", help="split of the --benchmark datasets")
     data.add_argument("--recall-k", type=int, nargs="+", default=[1, 5, 10], metavar="K",
                       help="k of the --benchmark retrieval recalls")

@@ -362,6 +362,8 @@ def test_the_command_line_names_the_file_and_exits_2(setup, good, tmp_path, caps
     assert "is no CLIP_benchmark dataset" in capsys.readouterr().err
     assert zeroshot.main(["--model", setup["model"], "--benchmark", "https://huggingface.co/datasets/x/y"]) == 2
     assert "are read from local folders" in capsys.readouterr().err
+    assert zeroshot.main(["--model", setup["model"], "--datasets", "wds/vtab/cifar10"]) == 2
+    assert "give --benchmark ROOT" in capsys.readouterr().err
 
 
 def test_the_samples_are_read_back_by_offset(good):
@@ -471,3 +473,20 @@ def test_two_processes_each_get_the_global_metrics(setup, ours):
     assert results[0]["vtab/fashion"] == ours[1]["wds/vtab/fashion"][1]["metrics"]
     expected_map = ours[1]["wds/tags"][1]["metrics"]["mean_average_precision"]
     assert results[0]["tags"]["mean_average_precision"] == pytest.approx(expected_map, abs=1e-6)
+
+
+def test_named_datasets_are_found_in_nested_or_flat_folders_and_keep_their_names(tmp_path):
+    samples = classification_samples(2)
+    write_dataset(tmp_path / "vtab" / "cifar10", samples, class_names=CLASSES, templates=TEMPLATES)
+    write_dataset(tmp_path / "wds_vtab-pets", samples, class_names=CLASSES, templates=TEMPLATES)
+    write_dataset(tmp_path / "imagenet-a", samples, class_names=CLASSES, templates=TEMPLATES)
+    names = tmp_path / "list.txt"
+    names.write_text("wds/vtab/cifar10\n# a comment\nwds/vtab/pets  # flat, as LAION's repositories\n\nimagenet-a\n")
+    layouts = clip_benchmark.find_named([str(tmp_path)], clip_benchmark.read_names([str(names)]))
+    assert [(os.path.relpath(layout.root, tmp_path), layout.name) for layout in layouts] == [
+        ("vtab/cifar10", "wds/vtab/cifar10"), ("wds_vtab-pets", "wds/vtab/pets"), ("imagenet-a", "wds/imagenet-a")]
+    with pytest.raises(MissingInput, match=r"'wds/vtab/dtd' is not there: looked for .*vtab/dtd, .*wds_vtab-dtd"):
+        clip_benchmark.find_named([str(tmp_path)], ["wds/vtab/dtd"])
+    # Discovered without names: the path under the root, a leading "wds_" dropped.
+    assert [layout.name for layout in clip_benchmark.find_datasets(str(tmp_path))] == [
+        "wds/imagenet-a", "wds/vtab/cifar10", "wds/vtab-pets"]

@@ -12,7 +12,9 @@
 
 A collection is a folder holding such dataset folders (at any depth up to three), e.g. the VTAB+ list laid out as
 `ROOT/vtab/cifar10`, ...; a dataset is named `wds/` + its path under the root (`wds/vtab/cifar10`), as
-CLIP_benchmark names its webdataset sets. Every file is checked when the dataset is opened: a missing or malformed
+CLIP_benchmark names its webdataset sets (a leading `wds_` of a folder name is dropped). `find_named` instead looks
+up given names, also in flat folders named like LAION's Hugging Face repositories (`ROOT/wds_vtab-cifar10`), and
+keeps the names exactly. Every file is checked when the dataset is opened: a missing or malformed
 one raises `MissingInput` / `InvalidInput` naming it (a shard's sample is named `shard.tar:key`).
 
 Opening a dataset scans its shards once and keeps, per sample, where its bytes lie and its label or captions; the
@@ -128,12 +130,16 @@ def is_dataset_folder(path: str, split: str = "test") -> bool:
                                                                 os.path.join(split, NSHARDS_FILE)))
 
 
-def find_datasets(root: str, split: str = "test") -> list[Layout]:
-    """`root` itself when it is a dataset folder, else every dataset folder under it (a collection), sorted by
-    path; each one's metadata is checked before anything is evaluated."""
+def _check_local(root: str) -> None:
     if "://" in root:
         raise InvalidInput(f"{root}: CLIP_benchmark datasets are read from local folders; download it first (e.g. "
                            "`huggingface-cli download --repo-type dataset clip-benchmark/wds_NAME --local-dir DIR`)")
+
+
+def find_datasets(root: str, split: str = "test") -> list[Layout]:
+    """`root` itself when it is a dataset folder, else every dataset folder under it (a collection), sorted by
+    path; each one's metadata is checked before anything is evaluated."""
+    _check_local(root)
     if not os.path.isdir(root):
         raise MissingInput(f"CLIP_benchmark dataset or collection folder {root} does not exist")
     if is_dataset_folder(root, split):
@@ -146,7 +152,7 @@ def find_datasets(root: str, split: str = "test") -> list[Layout]:
                 continue
             if is_dataset_folder(entry.path, split):
                 relative = os.path.relpath(entry.path, root).replace(os.sep, "/")
-                found.append(read_layout(entry.path, split, name=f"wds/{relative}"))
+                found.append(read_layout(entry.path, split, name=f"wds/{relative.removeprefix('wds_')}"))
             elif depth < MAX_DEPTH:
                 walk(entry.path, depth + 1)
 
@@ -155,6 +161,47 @@ def find_datasets(root: str, split: str = "test") -> list[Layout]:
         raise MissingInput(f"{root} is no CLIP_benchmark dataset (no {os.path.join(root, split, NSHARDS_FILE)}) and "
                            f"holds none in its subfolders (up to {MAX_DEPTH} levels)")
     return found
+
+
+def folder_candidates(root: str, name: str) -> list[str]:
+    """Where dataset `name` (CLIP_benchmark's, e.g. `wds/vtab/cifar10`) may lie under `root`: `root/vtab/cifar10`,
+    or flat as LAION's Hugging Face repositories are named, `root/wds_vtab-cifar10` or `root/vtab-cifar10`."""
+    bare = name.removeprefix("wds/").strip("/")
+    flat = bare.replace("/", "-")
+    return [os.path.join(root, *bare.split("/")), os.path.join(root, f"wds_{flat}"), os.path.join(root, flat)]
+
+
+def find_named(roots: Sequence[str], names: Sequence[str], split: str = "test") -> list[Layout]:
+    """The datasets `names` (CLIP_benchmark's names, e.g. the lines of its VTAB+ list) looked up under `roots` in
+    order (see `folder_candidates`); each is named `wds/<name>` exactly, whatever its folder is called."""
+    for root in roots:
+        _check_local(root)
+        if not os.path.isdir(root):
+            raise MissingInput(f"CLIP_benchmark collection folder {root} does not exist")
+    layouts = []
+    for name in names:
+        bare = name.removeprefix("wds/").strip("/")
+        candidates = [c for root in roots for c in folder_candidates(root, name)]
+        folder = next((c for c in candidates if os.path.isdir(c)), None)
+        if folder is None:
+            raise MissingInput(f"CLIP_benchmark dataset {name!r} is not there: looked for {', '.join(candidates)}")
+        layouts.append(read_layout(folder, split, name=f"wds/{bare}"))
+    return layouts
+
+
+def read_names(items: Sequence[str]) -> list[str]:
+    """Dataset names given directly, or as files of one name per line (`#` comments and blank lines skipped), like
+    CLIP_benchmark's collection files."""
+    names = []
+    for item in items:
+        if os.path.isfile(item):
+            names.extend(line.split("#", 1)[0].strip() for line in _read_text(item).splitlines()
+                         if line.split("#", 1)[0].strip())
+        else:
+            names.append(item)
+    if not names:
+        raise InvalidInput(f"no dataset names in {', '.join(items)}")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------------------
