@@ -82,9 +82,6 @@ def classification_sets(args) -> list[ClassificationSet]:
 def benchmark_layouts(args) -> list[clip_benchmark.Layout]:
     """The CLIP_benchmark datasets named by `--benchmark` (folders or collections), all checked before any runs."""
     if args.datasets:
-        if not args.benchmark:
-            raise InvalidInput("--datasets names CLIP_benchmark datasets to look up under the --benchmark folder(s); "
-                               "give --benchmark ROOT")
         layouts = clip_benchmark.find_named(args.benchmark, clip_benchmark.read_names(args.datasets), args.split)
     else:
         layouts = [layout for root in args.benchmark or ()
@@ -253,6 +250,9 @@ def parse_args(argv=None):
     parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (one "
                         "process per host or per GPU, e.g. under srun)")
     args = parser.parse_args(argv)
+    if args.datasets and not args.benchmark:
+        parser.error("--datasets names CLIP_benchmark datasets to look up under the --benchmark folder(s); give "
+                     "--benchmark ROOT")
     if not (args.imagenet_val or args.tfds or args.demo or args.retrieval or args.benchmark):
         parser.error("no dataset: give --imagenet-val DIR, --tfds NAME, --demo, --retrieval PATTERN and/or "
                      "--benchmark DIR")
