@@ -340,9 +340,7 @@ class Trainer:
     @functools.cached_property
     def zeroshot_evaluator(self):
         """Built at the first evaluation and kept: the set, its prompt tokens and the compiled towers are reused."""
-        from clip_jax.evaluation import ZeroShotEvaluator, open_classification_set
-
-        from clip_jax.evaluation import clip_benchmark
+        from clip_jax.evaluation import ZeroShotEvaluator, clip_benchmark, open_classification_set
 
         c = self.config
         if c.zeroshot_data != "demo" and clip_benchmark.is_dataset_folder(c.zeroshot_data):
