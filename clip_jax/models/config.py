@@ -72,7 +72,7 @@ class BlockConfig:
                                f"{GELU_APPROXIMATIONS}")
         if not self.norm_eps > 0:
             raise InvalidInput(f"norm_kwargs eps={self.norm_eps} must be positive")
-        if not self.norm_scale and not self.norm_bias:
+        if not self.norm_scale:
             object.__setattr__(self, "norm_bias", False)  # torch: elementwise_affine=False has no bias either
 
     def custom_options(self) -> list[str]:
