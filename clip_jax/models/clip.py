@@ -134,7 +134,9 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
     so one checkpoint runs under any of them. `remat_policy` names a `jax.checkpoint_policies` policy applied to
     every residual block ("none" keeps all activations); `attention_impl` is passed to
-    `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU).
+    `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU). Every
+    tower option keeps the fused kernel but one: a text tower with `embed_cls` masks padding keys, a mask the fused
+    kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`).
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
