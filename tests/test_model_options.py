@@ -256,3 +256,41 @@ def test_bad_option_configs_name_the_key_before_anything_is_built(bad, message):
     with pytest.raises(ValueError) as info:
         create_model(bad)
     assert message in str(info.value)
+
+
+def test_cudnn_fused_attention_compiles_with_the_block_options_and_embed_cls_falls_back_to_xla():
+    """XLA:GPU without a GPU: the custom block's options (QK norm, scaled cosine folded into the queries) keep
+    cuDNN's fused attention, forward and backward; a text tower with embed_cls runs XLA's (its key mask)."""
+    import re
+
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from clip_jax import xla_gpu
+    from clip_jax.hardware import get_gpu
+
+    mesh = create_mesh(xla_gpu.devices(get_gpu("h100"), 1, 1))
+    whole = NamedSharding(mesh, P())
+
+    def fused_lengths(cfg):
+        model = create_model(cfg, dtype=jnp.bfloat16, attention_impl="cudnn")
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), param_shapes(model))
+        images = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32, sharding=whole)
+        tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32, sharding=whole)
+
+        def loss(params, images, tokens):
+            image_features, text_features, scale = model.apply({"params": params}, images, tokens)
+            return jnp.sum(scale * image_features @ text_features.T)
+
+        hlo = xla_gpu.compile_lowered(jax.jit(jax.grad(loss)).lower(params, images, tokens)).as_text()
+        padded = {int(n) for line in hlo.splitlines() if "__cudnn$fmha" in line
+                  for n in re.findall(r"bf16\[2,(?:\d+,)?(24),", line)}
+        return padded, xla_gpu.fused_attention(hlo)
+
+    options = copy.deepcopy(HEAVY)
+    del options["custom_text"], options["text_cfg"]["embed_cls"], options["text_cfg"]["pad_id"]
+    padded, calls = fused_lengths(options)
+    assert padded == {24} and calls["forward"] >= 2 and calls["backward"] >= 2  # 17 image tokens padded to 24
+    padded, calls_cls = fused_lengths(HEAVY)
+    assert 0 < calls_cls["forward"] < calls["forward"] and 0 < calls_cls["backward"] < calls["backward"]
