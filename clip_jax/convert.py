@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import CLIPConfig, get_model_config
+from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config
 
 # Layouts: a clip_jax leaf is the OpenCLIP tensor with its axes permuted.
 _SAME = None
@@ -42,40 +42,66 @@ class _Entry:
         return [self.key.format(i=i) for i in range(self.layers)] if self.layers else [self.key]
 
 
-def _block_entries(prefix: str, path: tuple[str, ...], layers: int) -> list[_Entry]:
-    names = [
-        ("ln_1.weight", ("ln_1", "scale"), _SAME), ("ln_1.bias", ("ln_1", "bias"), _SAME),
-        ("attn.in_proj_weight", ("attn", "in_proj", "kernel"), _LINEAR),
-        ("attn.in_proj_bias", ("attn", "in_proj", "bias"), _SAME),
-        ("attn.out_proj.weight", ("attn", "out_proj", "kernel"), _LINEAR),
-        ("attn.out_proj.bias", ("attn", "out_proj", "bias"), _SAME),
-        ("ln_2.weight", ("ln_2", "scale"), _SAME), ("ln_2.bias", ("ln_2", "bias"), _SAME),
-        ("mlp.c_fc.weight", ("mlp", "c_fc", "kernel"), _LINEAR), ("mlp.c_fc.bias", ("mlp", "c_fc", "bias"), _SAME),
-        ("mlp.c_proj.weight", ("mlp", "c_proj", "kernel"), _LINEAR),
-        ("mlp.c_proj.bias", ("mlp", "c_proj", "bias"), _SAME),
+def _norm_entries(key: str, path: tuple[str, ...], block: BlockConfig, layers: int = 0) -> list[_Entry]:
+    """A LayerNorm's weight and bias, those the tower's norm_kwargs give it."""
+    return ([_Entry(f"{key}.weight", path + ("scale",), _SAME, layers)] if block.norm_scale else []) + \
+        ([_Entry(f"{key}.bias", path + ("bias",), _SAME, layers)] if block.norm_bias else [])
+
+
+def _block_entries(prefix: str, path: tuple[str, ...], layers: int, block: BlockConfig) -> list[_Entry]:
+    key = f"{prefix}transformer.resblocks.{{i}}."
+    path = path + ("transformer", "resblocks")
+    norm = lambda name, sub: _norm_entries(key + name, path + sub, block, layers)  # noqa: E731
+    one = lambda name, sub, axes: [_Entry(key + name, path + sub, axes, layers)]  # noqa: E731
+    return [
+        *norm("ln_1", ("ln_1",)),
+        *one("attn.in_proj_weight", ("attn", "in_proj", "kernel"), _LINEAR),
+        *one("attn.in_proj_bias", ("attn", "in_proj", "bias"), _SAME),
+        *(norm("attn.ln_q", ("attn", "ln_q")) + norm("attn.ln_k", ("attn", "ln_k")) if block.qk_norm else []),
+        *(one("attn.logit_scale", ("attn", "logit_scale"), _SAME) if block.scaled_cosine_attn else []),
+        *(one("attn.head_scale", ("attn", "head_scale"), _SAME) if block.scale_heads else []),
+        *(norm("attn.ln_inner", ("attn", "ln_inner")) if block.scale_attn_inner else []),
+        *one("attn.out_proj.weight", ("attn", "out_proj", "kernel"), _LINEAR),
+        *one("attn.out_proj.bias", ("attn", "out_proj", "bias"), _SAME),
+        *(norm("ln_attn", ("ln_attn",)) if block.scale_attn else []),
+        *(one("ls_1.gamma", ("ls_1", "gamma"), _SAME) if block.ls_init_value is not None else []),
+        *norm("ln_2", ("ln_2",)),
+        *one("mlp.c_fc.weight", ("mlp", "c_fc", "kernel"), _LINEAR),
+        *one("mlp.c_fc.bias", ("mlp", "c_fc", "bias"), _SAME),
+        *(norm("mlp.ln", ("mlp", "ln")) if block.scale_fc else []),
+        *one("mlp.c_proj.weight", ("mlp", "c_proj", "kernel"), _LINEAR),
+        *one("mlp.c_proj.bias", ("mlp", "c_proj", "bias"), _SAME),
+        *(one("ls_2.gamma", ("ls_2", "gamma"), _SAME) if block.ls_init_value is not None else []),
     ]
-    return [_Entry(f"{prefix}transformer.resblocks.{{i}}.{name}", path + ("transformer", "resblocks") + sub, axes,
-                   layers) for name, sub, axes in names]
+
+
+def _text_projection_entries(config: CLIPConfig, prefix: str) -> list[_Entry]:
+    text = config.text
+    if text.proj_bias:  # an nn.Linear in OpenCLIP, a Dense here
+        return [_Entry(f"{prefix}text_projection.weight", ("text_projection", "kernel"), _LINEAR),
+                _Entry(f"{prefix}text_projection.bias", ("text_projection", "bias"), _SAME)]
+    if text.proj_type == "none":
+        return []
+    return [_Entry(f"{prefix}text_projection", ("text_projection",), _SAME)]
 
 
 def _entries(config: CLIPConfig) -> list[_Entry]:
-    v = ("visual",)
+    v, vb, tb = ("visual",), config.vision.block, config.text.block
+    t = "text." if config.custom_text else ""  # OpenCLIP's CustomTextCLIP keeps the text tower under `text.`
     return [
         _Entry("visual.conv1.weight", v + ("conv1", "kernel"), _CONV),
         _Entry("visual.class_embedding", v + ("class_embedding",), _SAME),
         _Entry("visual.positional_embedding", v + ("positional_embedding",), _SAME),
-        _Entry("visual.ln_pre.weight", v + ("ln_pre", "scale"), _SAME),
-        _Entry("visual.ln_pre.bias", v + ("ln_pre", "bias"), _SAME),
-        *_block_entries("visual.", v, config.vision.layers),
-        _Entry("visual.ln_post.weight", v + ("ln_post", "scale"), _SAME),
-        _Entry("visual.ln_post.bias", v + ("ln_post", "bias"), _SAME),
+        *([] if config.vision.no_ln_pre else _norm_entries("visual.ln_pre", v + ("ln_pre",), vb)),
+        *_block_entries("visual.", v, config.vision.layers, vb),
+        *_norm_entries("visual.ln_post", v + ("ln_post",), vb),
         _Entry("visual.proj", v + ("proj",), _SAME),
-        _Entry("token_embedding.weight", ("token_embedding", "embedding"), _SAME),
-        _Entry("positional_embedding", ("positional_embedding",), _SAME),
-        *_block_entries("", (), config.text.layers),
-        _Entry("ln_final.weight", ("ln_final", "scale"), _SAME),
-        _Entry("ln_final.bias", ("ln_final", "bias"), _SAME),
-        _Entry("text_projection", ("text_projection",), _SAME),
+        _Entry(f"{t}token_embedding.weight", ("token_embedding", "embedding"), _SAME),
+        *([_Entry(f"{t}cls_emb", ("cls_emb",), _SAME)] if config.text.embed_cls else []),
+        _Entry(f"{t}positional_embedding", ("positional_embedding",), _SAME),
+        *_block_entries(t, (), config.text.layers, tb),
+        *_norm_entries(f"{t}ln_final", ("ln_final",), tb),
+        *_text_projection_entries(config, t),
         _Entry("logit_scale", ("logit_scale",), _SAME),
         *([_Entry("logit_bias", ("logit_bias",), _SAME)] if config.init_logit_bias is not None else []),
     ]

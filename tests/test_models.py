@@ -49,7 +49,7 @@ def test_an_open_clip_json_file_is_used_as_is(tmp_path):
 @pytest.mark.parametrize("bad, message", [
     ("ViT-Q-99", "unknown model 'ViT-Q-99'"),
     ({**TINY, "vision_cfg": {**TINY["vision_cfg"], "widht": 96}}, "unknown key(s) ['widht']"),
-    ({**TINY, "vision_cfg": {**TINY["vision_cfg"], "ls_init_value": 1e-5}}, "ls_init_value=1e-05"),
+    ({**TINY, "vision_cfg": {**TINY["vision_cfg"], "attentional_pool": True}}, "attentional_pool=True"),
     ({"embed_dim": 8, "vision_cfg": {}}, "lacks ['text_cfg']"),
     ({**TINY, "text_cfg": {**TINY["text_cfg"], "heads": 5}}, "not divisible by 5 heads"),
     ("/nonexistent/model.json", "does not exist"),

@@ -2,10 +2,12 @@
 
 from clip_jax.models.clip import (CLIP, count_params, create_model, dummy_inputs, init_params, l2_normalize,
                                   param_shapes)
-from clip_jax.models.config import CLIPConfig, TextConfig, VisionConfig, get_model_config, list_models
+from clip_jax.models.config import (BlockConfig, CLIPConfig, TextConfig, VisionConfig, get_model_config, list_models,
+                                    open_clip_model_cfg)
 from clip_jax.models.layers import remat_policy_names
 
 __all__ = [
-    "CLIP", "CLIPConfig", "TextConfig", "VisionConfig", "count_params", "create_model", "dummy_inputs",
-    "get_model_config", "init_params", "l2_normalize", "list_models", "param_shapes", "remat_policy_names",
+    "BlockConfig", "CLIP", "CLIPConfig", "TextConfig", "VisionConfig", "count_params", "create_model", "dummy_inputs",
+    "get_model_config", "init_params", "l2_normalize", "list_models", "open_clip_model_cfg", "param_shapes",
+    "remat_policy_names",
 ]

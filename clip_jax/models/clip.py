@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, get_model_config
-from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, LayerNorm, Transformer, resolve_remat_policy
+from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, Transformer, resolve_remat_policy, tower_norm
 from clip_jax.models.vit import VisionTransformer
 
 
@@ -17,6 +17,29 @@ def l2_normalize(x):
     """Unit rows in float32 (a zero row stays zero rather than becoming NaN)."""
     x = x.astype(jnp.float32)
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def pool_text(x, tokens, pool_type: str, eos_id: int):
+    """[B, L, W] -> [B, W], the token OpenCLIP's `text_pool_type` picks: "argmax" the largest id (OpenAI's EOT),
+    "eos" the first `eos_id` (position 0 when a row has none), "first" / "last" a fixed position."""
+    if pool_type == "first":
+        return x[:, 0]
+    if pool_type == "last":
+        return x[:, -1]
+    index = jnp.argmax(tokens, axis=-1) if pool_type == "argmax" else jnp.argmax(tokens == eos_id, axis=-1)  # [B]
+    # take_along_axis keeps the batch a batch dimension of the gather, so it stays split over devices
+    # (indexing x[arange(B), index] makes every device build, and all-reduce, the whole [B_global, W]).
+    return jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+
+
+def embed_cls_mask(tokens, pad_id: int):
+    """[B, 1, L + 1, L + 1] bool, True where a query may see a key, for a text tower with its class embedding
+    appended: OpenCLIP 3.3.0's key mask, which (in its default, legacy order) lets key 0 through always and masks
+    key j > 0 when token j - 1 is padding; the class token itself, at position L, is masked exactly when the last
+    token is padding."""
+    valid = tokens != pad_id  # [B, L]
+    keys = jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], axis=1)  # [B, L + 1]
+    return jnp.broadcast_to(keys[:, None, None, :], (tokens.shape[0], 1, keys.shape[1], keys.shape[1]))
 
 
 class CLIP(nn.Module):
@@ -42,15 +65,22 @@ class CLIP(nn.Module):
                                         self.remat_policy, self.attention_impl, self.layer_params_hook)
         self.token_embedding = nn.Embed(text.vocab_size, text.width, dtype=self.dtype, param_dtype=self.param_dtype,
                                         embedding_init=nn.initializers.normal(0.02))
+        if text.embed_cls:
+            self.cls_emb = self.param("cls_emb", nn.initializers.normal(0.01), (text.width,), self.param_dtype)
         self.positional_embedding = self.param("positional_embedding", nn.initializers.normal(0.01),
-                                               (text.context_length, text.width), self.param_dtype)
-        self.transformer = Transformer(text.width, text.layers, text.heads, text.mlp_width, causal=True,
-                                       quick_gelu=cfg.quick_gelu, dtype=self.dtype, param_dtype=self.param_dtype,
-                                       remat_policy=self.remat_policy, attention_impl=self.attention_impl,
-                                       layer_params_hook=self.layer_params_hook)
-        self.ln_final = LayerNorm(self.dtype, self.param_dtype)
-        self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
-                                          (text.width, cfg.embed_dim), self.param_dtype)
+                                               (text.num_tokens, text.width), self.param_dtype)
+        self.transformer = Transformer(text.width, text.layers, text.heads, text.mlp_width,
+                                       causal=not text.no_causal_mask, quick_gelu=cfg.quick_gelu, dtype=self.dtype,
+                                       param_dtype=self.param_dtype, remat_policy=self.remat_policy,
+                                       attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
+                                       block=text.block)
+        self.ln_final = tower_norm(text.block, self.dtype, self.param_dtype)
+        if text.proj_bias:
+            self.text_projection = nn.Dense(cfg.embed_dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                                            kernel_init=nn.initializers.normal(text.width**-0.5))
+        elif text.proj_type != "none":
+            self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
+                                              (text.width, cfg.embed_dim), self.param_dtype)
         self.logit_scale = self.param("logit_scale", nn.initializers.constant(cfg.init_logit_scale), (),
                                       self.param_dtype)
         if cfg.init_logit_bias is not None:
@@ -65,14 +95,27 @@ class CLIP(nn.Module):
         context_length = self.config.text.context_length
         if tokens.ndim != 2 or tokens.shape[1] != context_length:
             raise ValueError(f"text tower expects tokens of shape [B, {context_length}], got {tuple(tokens.shape)}")
-        x = self.token_embedding(tokens) + self.positional_embedding.astype(self.dtype)  # [B, L, W]
-        x = self.ln_final(self.transformer(x))
-        # Pool at the end-of-text token, the largest id in each row.
-        # take_along_axis keeps the batch a batch dimension of the gather, so it stays split over devices
-        # (indexing x[arange(B), eot] makes every device build, and all-reduce, the whole [B_global, W]).
-        eot = jnp.argmax(tokens, axis=-1)  # [B]
-        x = jnp.take_along_axis(x, eot[:, None, None], axis=1)[:, 0]  # [B, W]
-        features = x @ self.text_projection.astype(self.dtype)
+        text = self.config.text
+        x = self.token_embedding(tokens)  # [B, L, W]
+        mask = None
+        if text.embed_cls:  # CoCa's class embedding after the tokens, and OpenCLIP's key mask for padding
+            cls = jnp.broadcast_to(self.cls_emb.astype(self.dtype), (x.shape[0], 1, text.width))
+            x = jnp.concatenate([x, cls], axis=1)  # [B, L + 1, W]
+            mask = embed_cls_mask(tokens, text.pad_id)
+        x = x + self.positional_embedding.astype(self.dtype)
+        x = self.transformer(x, mask)
+        if text.embed_cls:  # the class token, whatever pool_type says, normalised after pooling
+            x = self.ln_final(x[:, -1])  # [B, W]
+        elif text.final_ln_after_pool:
+            x = self.ln_final(pool_text(x, tokens, text.pool_type, text.eos_id))
+        else:
+            x = pool_text(self.ln_final(x), tokens, text.pool_type, text.eos_id)  # [B, W]
+        if text.proj_bias:
+            features = self.text_projection(x)
+        elif text.proj_type == "none":
+            features = x
+        else:
+            features = x @ self.text_projection.astype(self.dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def __call__(self, images, tokens, kept_patches=None):
@@ -91,7 +134,9 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
     so one checkpoint runs under any of them. `remat_policy` names a `jax.checkpoint_policies` policy applied to
     every residual block ("none" keeps all activations); `attention_impl` is passed to
-    `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU).
+    `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU). Every
+    tower option keeps the fused kernel but one: a text tower with `embed_cls` masks padding keys, a mask the fused
+    kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`).
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace

@@ -1,5 +1,6 @@
 """Analytic model FLOPs: 2 x the multiply-adds of every matmul, attention included, as OpenCLIP's profile counts
-them (ViT-L-14: 162.03 GFLOP image + 13.30 text = 175.33 per sample forward). Norms, softmax and GELU are left out.
+them (ViT-L-14: 162.03 GFLOP image + 13.30 text = 175.33 per sample forward). Norms, softmax and GELU are left out,
+and so are the block options' extra norms and per-head scales (elementwise, as those are).
 
 `train=True` counts the forward as the train step runs it: under patch dropout (`vision.patch_dropout`) the image
 tower's blocks see the class token and the kept patches only (every patch is still embedded). Eval counts all."""
@@ -35,8 +36,9 @@ def image_forward_flops(config: CLIPConfig, train: bool = False) -> int:
 
 def text_forward_flops(config: CLIPConfig) -> int:
     t = config.text
-    macs = _transformer_macs(t.context_length, t.width, t.mlp_width, t.layers)
-    macs += t.width * config.embed_dim  # text_projection of the pooled token
+    macs = _transformer_macs(t.num_tokens, t.width, t.mlp_width, t.layers)  # with embed_cls's class token
+    if t.proj_type != "none":
+        macs += t.width * config.embed_dim  # text_projection of the pooled token
     return 2 * macs
 
 

@@ -6,6 +6,7 @@ statistics are always computed in float32.
 """
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
+from clip_jax.models.config import BlockConfig
 
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
+LOGIT_SCALE_MAX = math.log(100.0)  # the clamp of scaled cosine attention's per-head scale (OpenCLIP's ln(1 / 0.01))
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 # cuDNN's fused attention takes sequence lengths that are multiples of this (ViT-L/14's 257 tokens and the text
 # tower's 77 are not): `attention` pads to it and masks the padding.
@@ -54,52 +57,92 @@ def resolve_remat_policy(name: str):
     return getattr(jax.checkpoint_policies, name)
 
 
-def gelu(x, quick: bool = False):
-    """Exact (erf) GELU as OpenCLIP uses; QuickGELU x * sigmoid(1.702 x) for OpenAI's original weights."""
+def gelu(x, quick: bool = False, approximate: str = "none"):
+    """Exact (erf) GELU as OpenCLIP uses; QuickGELU x * sigmoid(1.702 x) for OpenAI's original weights; the tanh
+    approximation when a tower's act_kwargs ask for torch's `approximate="tanh"`."""
     if quick:
         return x * jax.nn.sigmoid(1.702 * x)
-    return jax.nn.gelu(x, approximate=False)
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with eps 1e-5, statistics in float32, output in the compute dtype."""
+    """LayerNorm with OpenCLIP's (torch's) eps 1e-5 by default, statistics in float32, output in the compute dtype.
+    `use_scale` / `use_bias` False: torch's `elementwise_affine=False` / `bias=False` (no such parameter)."""
 
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    eps: float = LN_EPS
+    use_scale: bool = True
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
         width = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (width,), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (width,), self.param_dtype)
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.use_scale:
+            y = y * self.param("scale", nn.initializers.ones, (width,), self.param_dtype).astype(jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (width,), self.param_dtype).astype(jnp.float32)
+        return y.astype(self.dtype)
 
 
-def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple: int | None = None):
+def tower_norm(block: BlockConfig, dtype, param_dtype, name: str | None = None) -> LayerNorm:
+    """A LayerNorm with the tower's norm_kwargs (eps, affine, bias)."""
+    return LayerNorm(dtype, param_dtype, block.norm_eps, block.norm_scale, block.norm_bias, name=name)
+
+
+class LayerScale(nn.Module):
+    """x * gamma, gamma a learned per-channel vector starting at `init_value` (CaiT's LayerScale; `ls_1`, `ls_2`)."""
+
+    init_value: float
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        gamma = self.param("gamma", nn.initializers.constant(self.init_value), (x.shape[-1],), self.param_dtype)
+        return x * gamma.astype(x.dtype)
+
+
+def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple: int | None = None, *,
+              mask=None, scale: float | None = None):
     """`jax.nn.dot_product_attention` over [B, T, N, H] inputs, with T padded up to a multiple of `pad_to_multiple`
     (by default cuDNN's, for the cuDNN kernel only). The padded keys are masked out through `key_value_seq_lengths`
     and the padded queries through `query_seq_lengths`; their rows are cut off the output, so no gradient reaches
     them. Under a causal mask no real query sees a padded key anyway (they come after it).
+
+    `mask` ([B, 1, T, T] bool, True where a query may see a key; on top of `causal`) runs XLA's attention whatever
+    `implementation` asks: the fused cuDNN kernel takes padding and causal masks, not an arbitrary key mask.
+    `scale`: the logits' factor (None: 1 / sqrt(head_dim)).
     """
+    if mask is not None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
     if pad_to_multiple is None:
         pad_to_multiple = CUDNN_SEQ_MULTIPLE if implementation == "cudnn" else 1
     batch, length = q.shape[:2]
     padding = -length % pad_to_multiple
     if padding == 0:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=implementation)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))  # noqa: E731
     lengths = jnp.full((batch,), length, jnp.int32)
     out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths,
-                                       key_value_seq_lengths=lengths, implementation=implementation)
+                                       key_value_seq_lengths=lengths, scale=scale, implementation=implementation)
     return out[:, :length]
 
 
+def _unit(x, dtype):
+    """x / max(|x|, 1e-12) along the last axis in float32 (torch's F.normalize), cast to `dtype`."""
+    x = x.astype(jnp.float32)
+    return (x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)).astype(dtype)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention with a packed q,k,v projection (`in_proj`) and an output projection."""
+    """Multi-head self-attention with a packed q,k,v projection (`in_proj`) and an output projection, plus the
+    custom block's options (see `BlockConfig`). Every option runs through `jax.nn.dot_product_attention`, so the
+    fused kernel stays usable: scaled cosine attention folds its per-head scale into the unit queries and asks
+    for a logit factor of 1."""
 
     width: int
     heads: int
@@ -108,16 +151,33 @@ class Attention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str | None = None
+    block: BlockConfig = BlockConfig()
 
     @nn.compact
-    def __call__(self, x):  # [B, T, W]
+    def __call__(self, x, mask=None):  # [B, T, W]
         batch, length, _ = x.shape
         head_dim = self.width // self.heads
+        opts = self.block
         qkv = nn.Dense(3 * self.width, dtype=self.dtype, param_dtype=self.param_dtype,
                        kernel_init=nn.initializers.normal(self.width**-0.5), name="in_proj")(x)  # [B, T, 3W]
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.heads, head_dim), 3, axis=2)  # [B, T, N, H] each
-        out = attention(q, k, v, self.causal, self.attention_impl)  # [B, T, N, H]
+        scale = None
+        if opts.scaled_cosine_attn:  # Swin-V2: cos(q, k) * exp(min(s_head, ln 100)), s_head learned, init ln 10
+            logit_scale = self.param("logit_scale", nn.initializers.constant(math.log(10.0)), (self.heads, 1, 1),
+                                     self.param_dtype)
+            head_factor = jnp.exp(jnp.minimum(logit_scale.astype(jnp.float32), LOGIT_SCALE_MAX)).reshape(self.heads, 1)
+            q = _unit(q, jnp.float32) * head_factor
+            q, k, scale = q.astype(self.dtype), _unit(k, self.dtype), 1.0
+        elif opts.qk_norm:
+            q = tower_norm(opts, self.dtype, self.param_dtype, "ln_q")(q)
+            k = tower_norm(opts, self.dtype, self.param_dtype, "ln_k")(k)
+        out = attention(q, k, v, self.causal, self.attention_impl, mask=mask, scale=scale)  # [B, T, N, H]
+        if opts.scale_heads:  # NormFormer's per-head scale of the attention output
+            head_scale = self.param("head_scale", nn.initializers.ones, (self.heads, 1, 1), self.param_dtype)
+            out = out * head_scale.reshape(self.heads, 1).astype(out.dtype)
         out = out.reshape(batch, length, self.width)
+        if opts.scale_attn_inner:
+            out = tower_norm(opts, self.dtype, self.param_dtype, "ln_inner")(out)
         return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
                         kernel_init=nn.initializers.normal(self.out_std), name="out_proj")(out)
 
@@ -129,18 +189,23 @@ class MLP(nn.Module):
     quick_gelu: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    block: BlockConfig = BlockConfig()
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(self.mlp_width, dtype=self.dtype, param_dtype=self.param_dtype,
                      kernel_init=nn.initializers.normal((2 * self.width) ** -0.5), name="c_fc")(x)
-        x = gelu(x, self.quick_gelu)
+        x = gelu(x, self.quick_gelu, self.block.gelu_approximate)
+        if self.block.scale_fc:  # NormFormer's LayerNorm after the activation
+            x = tower_norm(self.block, self.dtype, self.param_dtype, "ln")(x)
         return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
                         kernel_init=nn.initializers.normal(self.out_std), name="c_proj")(x)
 
 
 class ResidualBlock(nn.Module):
-    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Scan-shaped: (carry, _) -> (carry, None)."""
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with the block's options,
+    x + ls_1(ln_attn(attn(ln_1(x)))), then x + ls_2(mlp(ln_2(x))). Scan-shaped: (carry, mask) -> (carry, None),
+    the attention `mask` (or None) the same for every layer."""
 
     width: int
     heads: int
@@ -151,17 +216,26 @@ class ResidualBlock(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str | None = None
+    block: BlockConfig = BlockConfig()
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, mask):
         # Output projections start smaller as depth grows, as in OpenCLIP's text tower initialisation.
         out_std = self.width**-0.5 * (2 * self.layers) ** -0.5
-        norm = lambda name: LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
-        x = x + Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
-                          self.attention_impl, name="attn")(norm("ln_1")(x))
-        x = x + MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype,
-                    name="mlp")(norm("ln_2")(x))
-        return x, None
+        opts = self.block
+        norm = lambda name: tower_norm(opts, self.dtype, self.param_dtype, name)  # noqa: E731
+        y = Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
+                      self.attention_impl, opts, name="attn")(norm("ln_1")(x), mask)
+        if opts.scale_attn:
+            y = norm("ln_attn")(y)
+        if opts.ls_init_value is not None:
+            y = LayerScale(opts.ls_init_value, self.param_dtype, name="ls_1")(y)
+        x = x + y
+        y = MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype, opts,
+                name="mlp")(norm("ln_2")(x))
+        if opts.ls_init_value is not None:
+            y = LayerScale(opts.ls_init_value, self.param_dtype, name="ls_2")(y)
+        return x + y, None
 
 
 class Transformer(nn.Module):
@@ -172,6 +246,8 @@ class Transformer(nn.Module):
     (`{"params": {...}}`, without the layer axis; `layers`: the depth of the stack they come from) before the block
     uses them, inside the scan and inside remat: the train step gathers FSDP-split weights with it one layer at a
     time. It applies when the model is applied, not when it is initialised.
+
+    `mask` ([B, 1, T, T] bool or None): an attention mask every block applies on top of `causal`.
     """
 
     width: int
@@ -185,16 +261,18 @@ class Transformer(nn.Module):
     remat_policy: str = "none"
     attention_impl: str | None = None
     layer_params_hook: Callable | None = None
+    block: BlockConfig = BlockConfig()
 
     @nn.compact
-    def __call__(self, x):  # [B, T, W]
+    def __call__(self, x, mask=None):  # [B, T, W]
         block = ResidualBlock
         if self.layer_params_hook is not None and not self.is_initializing():
             hook = functools.partial(self.layer_params_hook, layers=self.layers)
             block = nn.map_variables(block, "params", trans_in_fn=hook)
         if self.remat_policy != "none":
             block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=False)
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
+                        in_axes=nn.broadcast)
         x, _ = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu, self.dtype,
-                     self.param_dtype, self.attention_impl, name="resblocks")(x, None)
+                     self.param_dtype, self.attention_impl, self.block, name="resblocks")(x, mask)
         return x

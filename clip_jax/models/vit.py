@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.models.config import VisionConfig
-from clip_jax.models.layers import Dtype, LayerNorm, Transformer
+from clip_jax.models.layers import Dtype, Transformer, tower_norm
 
 
 class VisionTransformer(nn.Module):
     """Patchify (conv, no bias) -> class token -> positional embedding -> ln_pre -> blocks -> ln_post(class token)
-    -> proj. Images are NHWC float32, already normalised.
+    -> proj. Images are NHWC float32, already normalised. The config's options: `no_ln_pre` drops ln_pre;
+    `pool_type="avg"` pools the mean of the patch tokens, after ln_post on every token, or before ln_post when
+    `final_ln_after_pool`; `block` sets the residual blocks and every LayerNorm (see `BlockConfig`).
 
     `kept_patches` ([B, K] int, patch indices in row-major order, see `kept_patch_indices`): patch dropout as
     OpenCLIP applies it, after the positional embedding and before `ln_pre`: the blocks see the class token and
@@ -48,12 +50,18 @@ class VisionTransformer(nn.Module):
             # take_along_axis keeps the batch a batch dimension of the gather: it stays split over devices
             kept = jnp.take_along_axis(x[:, 1:], kept_patches[:, :, None], axis=1)  # [B, K, W]
             x = jnp.concatenate([x[:, :1], kept], axis=1)  # [B, 1 + K, W]
-        x = LayerNorm(self.dtype, self.param_dtype, name="ln_pre")(x)
+        norm = lambda name: tower_norm(cfg.block, self.dtype, self.param_dtype, name)  # noqa: E731
+        if not cfg.no_ln_pre:
+            x = norm("ln_pre")(x)
         x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
-                        name="transformer")(x)
-        pooled = LayerNorm(self.dtype, self.param_dtype, name="ln_post")(x[:, 0])  # [B, W]
+                        block=cfg.block, name="transformer")(x)
+        pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
+        if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
+            pooled = norm("ln_post")(pool(x))  # [B, W]
+        else:
+            pooled = pool(norm("ln_post")(x))
         proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
         return pooled @ proj.astype(self.dtype)
 

@@ -46,7 +46,7 @@ def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, boo
         v = config.vision
         return v.width, v.heads, v.mlp_width, v.num_tokens, v.layers, False
     t = config.text
-    return t.width, t.heads, t.mlp_width, t.context_length, t.layers, True
+    return t.width, t.heads, t.mlp_width, t.num_tokens, t.layers, not t.no_causal_mask
 
 
 def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bool) -> float:
@@ -55,8 +55,10 @@ def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bo
     if train and tower == "image":
         tokens = image_tokens(setup.model.vision, train=True)  # the step's blocks see only the kept patches
     policy = get_policy(setup.precision)
+    block = (setup.model.vision if tower == "image" else setup.model.text).block
     stack = Transformer(width, 2, heads, mlp_width, causal=causal, quick_gelu=setup.model.quick_gelu,
-                        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=setup.remat_policy)
+                        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, remat_policy=setup.remat_policy,
+                        block=block)
     x = jax.ShapeDtypeStruct((per_device_batch, tokens, width), policy.compute_dtype)
     params = jax.eval_shape(stack.init, jax.random.key(0), x)
     if train:
