@@ -35,7 +35,7 @@ from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, s
 from clip_jax.precision import get_policy
 from clip_jax.train_step import TrainState, init_train_state, make_forward, make_train_step
 
-OPTIMIZERS = ("adamw", "sgd")  # sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
+OPTIMIZERS = ("adamw", "stable_adamw", "sgd")  # stable_adamw: clip_jax.stable_adamw; sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
 # A model trained with the sigmoid loss and no logit_bias of its own gets OpenCLIP's --siglip head.
 SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10), -10.0
 
@@ -68,7 +68,8 @@ class OptimizerSpec:
         if self.name == "sgd":
             return optax.sgd(learning_rate_fn)
         return create_optimizer(learning_rate_fn, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
-                                eps=self.eps, grad_clip_norm=self.grad_clip_norm)
+                                eps=self.eps, grad_clip_norm=self.grad_clip_norm,
+                                stable=self.name == "stable_adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
-        optimizer = OptimizerSpec(lr=config.lr, warmup=config.warmup, total_steps=total_steps,
+        optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup, total_steps=total_steps,
                                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                   grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
