@@ -129,8 +129,8 @@ class StepSpec:
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
         optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup,
-                                  total_steps=total_steps, weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
-                                  grad_clip_norm=config.grad_clip_norm or None)
+                                  total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
+                                  b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
         return cls(get_model_config(config.model), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
