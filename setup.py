@@ -43,5 +43,7 @@ setup(
             "open-clip-torch==3.3.0",
             "webdataset>=1.0.2",
         ],
+        # Benchmarks only: benchmarks/instability_lab.py plots its loss curves.
+        "bench": ["matplotlib>=3.8"],
     },
 )

@@ -13,6 +13,7 @@ import pytest
 
 from clip_jax import train as train_lib
 from clip_jax.data import make_shards
+from clip_jax.stability import InstabilityMonitor
 from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 from trainer_run import tiny_config
 
@@ -141,3 +142,11 @@ def test_a_run_logs_telemetry_and_its_rollback_as_events(shards, tmp_path, spike
                 assert set(tensorboard[key]) == {4, 8, 12}
         assert all(logged[s][f"telemetry/{tower}/q_norm"] > 0 for s in (4, 8, 12))
     assert "logit_scale" in logged[8]
+
+
+def test_the_monitor_names_the_kind_of_problem_the_trainer_records():
+    monitor = InstabilityMonitor(nan_patience=2, spike_factor=2.0, window=5, min_history=3)
+    assert [monitor.observe(1.0, True) for _ in range(3)] == [None] * 3
+    assert "loss spike" in monitor.observe(5.0, True) and monitor.last_problem == "loss_spike"
+    assert monitor.observe(float("nan"), False) is None
+    assert "2 non-finite" in monitor.observe(float("nan"), False) and monitor.last_problem == "non_finite"
