@@ -12,8 +12,9 @@ step, so that other load on the machine hits them alike:
     due      telemetry on every step: what a logging step pays (the reductions themselves)
 
 At the default frequency (`--every`, the trainer's log_every_n_steps, 100) a run pays `idle` on every step and the
-extra of `due` once per `every` steps: overhead = (idle - off + (due - off) / every) / off, printed with medians of
-the step times, and written to OUT/telemetry_overhead-MODEL-PRECISION-bBATCH.json (OUT: benchmarks/out).
+extra of `due` once per `every` steps: overhead = (idle - off + (due - off) / every) / off, printed from the
+medians of the per-round ratios (idle / off, due / off of the same round), of the step times, and of the best
+steps, and written to OUT/telemetry_overhead-MODEL-PRECISION-bBATCH.json (OUT: benchmarks/out).
 """
 
 import argparse
@@ -75,6 +76,9 @@ def main() -> None:
                      strict=True))
     median = {name: statistics.median(seconds) for name, seconds in times.items()}
     best = {name: min(seconds) for name, seconds in times.items()}
+    # each round runs the three back to back: the median of the per-round ratios cancels slow drifts in the load
+    paired = {name: statistics.median(t / off for t, off in zip(times[name], times["off"], strict=True))
+              for name in variants}
 
     def overhead(t):
         return (t["idle"] - t["off"] + (t["due"] - t["off"]) / args.every) / t["off"]
@@ -86,15 +90,18 @@ def main() -> None:
     for name in variants:
         print(f"{name:<10}{built[name][1]:>11.1f}{median[name]:>10.4f}{best[name]:>9.4f}"
               f"{median[name] / median['off']:>9.3f}")
-    print(f"overhead at one telemetry step in {args.every}: {100 * overhead(median):+.2f}% (medians), "
-          f"{100 * overhead(best):+.2f}% (best steps)")
+    print(f"{'':<10}{'':>11}{'':>10}{'':>9}  per-round ratios (median): idle {paired['idle']:.3f}, "
+          f"due {paired['due']:.3f}")
+    print(f"overhead at one telemetry step in {args.every}: {100 * overhead(paired):+.2f}% (per-round ratios), "
+          f"{100 * overhead(median):+.2f}% (medians), {100 * overhead(best):+.2f}% (best steps)")
 
     result = {"benchmark": "telemetry_overhead", "model": config.name, "global_batch": args.batch,
               "precision": args.precision, "every": args.every, "devices": jax.device_count(),
               "device_kind": device.device_kind, "jax": jax.__version__, "python": platform.python_version(),
               "step_times_s": times, "median_s": median, "best_s": best,
               "compile_s": {name: b[1] for name, b in built.items()},
-              "overhead_median": overhead(median), "overhead_best": overhead(best),
+              "paired_ratio": paired, "overhead_paired": overhead(paired), "overhead_median": overhead(median),
+              "overhead_best": overhead(best),
               "load_average_1min": {"start": load_at_start, "end": os.getloadavg()[0]}}
     out = pathlib.Path(args.out) / f"telemetry_overhead-{config.name}-{args.precision}-b{args.batch}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

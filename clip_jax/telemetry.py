@@ -9,7 +9,7 @@ Per tower (`visual`, `text`) and per residual block (a layer of the scanned stac
   bias-corrected second moment after this step's update. Far above 1, the second moment is out of date: the update
   is larger than the learning rate intends (Wortsman et al. 2023; StableAdamW clips on it per tensor). Only for
   optimizers with Adam's state;
-- `q_norm`, `k_norm` (of the last block): Frobenius norms of its query and key projection kernels. Attention logits
+- `q_norm`, `k_norm` (of the last block, after the update): Frobenius norms of its query and key projection kernels. Attention logits
   grow with |q||k|; growing norms precede the attention-entropy collapse behind many spikes. (A data-free proxy for
   the largest attention logit, which would need the last block's activations.)
 
@@ -60,9 +60,11 @@ def find_adam_state(opt_state) -> optax.ScaleByAdamState | None:
     return found[0] if found else None
 
 
-def step_telemetry(grads, updates, new_opt_state, params, *, b2: float, eps: float) -> dict[str, dict[str, jax.Array]]:
-    """The signals of the module docstring for one step. `new_opt_state`: the optimizer state after this step's
-    update (its second moment includes this step's gradient)."""
+def step_telemetry(grads, updates, new_opt_state, new_params, *, b2: float,
+                   eps: float) -> dict[str, dict[str, jax.Array]]:
+    """The signals of the module docstring for one step. `new_opt_state`, `new_params`: the state after this step's
+    update (the second moment includes this step's gradient). Only the step's outputs and its own intermediates are
+    read: a donated input read after the update would cost a copy of it on every step."""
     out: dict[str, dict[str, jax.Array]] = {}
     for tower, (total, count) in _block_sums(grads, _square).items():
         out.setdefault(tower, {})["grad_rms"] = jnp.sqrt(total / count)
@@ -75,7 +77,7 @@ def step_telemetry(grads, updates, new_opt_state, params, *, b2: float, eps: flo
                               grads, adam.nu)
         for tower, (total, count) in _block_sums(ratios, lambda x: x).items():
             out[tower]["rms_ratio"] = jnp.sqrt(total / count)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
         names = path_names(path)
         tower = tower_of(names)
         if tower is None or names[-3:] != ["attn", "in_proj", "kernel"]:
@@ -85,6 +87,15 @@ def step_telemetry(grads, updates, new_opt_state, params, *, b2: float, eps: flo
         out[tower]["q_norm"] = jnp.linalg.norm(last[:, :width])
         out[tower]["k_norm"] = jnp.linalg.norm(last[:, width:2 * width])
     return out
+
+
+def optimizer_step_telemetry(optimizer: optax.GradientTransformation, grads, opt_state, params, *, b2: float,
+                             eps: float) -> dict[str, dict[str, jax.Array]]:
+    """`step_telemetry` from the state before the update: the optimizer's update is computed again here (the same
+    function of the same inputs), so that the step passes only what it holds anyway. Handing the step's own
+    `updates` and new state to a `lax.cond` made XLA keep them as separate buffers on every step, taken or not."""
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    return step_telemetry(grads, updates, new_opt_state, params, b2=b2, eps=eps)
 
 
 def every_n_steps(telemetry: Callable, n: int) -> Callable:

@@ -73,7 +73,7 @@ def test_telemetry_equals_numpy_from_independent_gradients(tiny_model_config, ra
         v_hat = {k: (B2 * (1 - B2) * g1[k] ** 2 + (1 - B2) * g2[k] ** 2) / (1 - B2**2) for k in g2}
         ratios = {k: np.abs(g2[k]) / np.sqrt(np.maximum(v_hat[k], EPS**2)) for k in g2}
         np.testing.assert_allclose(telemetry[tower]["rms_ratio"], per_block_rms(ratios), rtol=1e-4)
-        kernel = block_leaves(params[1], root)["['attn']['in_proj']['kernel']"][-1]
+        kernel = block_leaves(params[2], root)["['attn']['in_proj']['kernel']"][-1]
         width = kernel.shape[0]
         np.testing.assert_allclose(telemetry[tower]["q_norm"], np.linalg.norm(kernel[:, :width]), rtol=1e-5)
         np.testing.assert_allclose(telemetry[tower]["k_norm"], np.linalg.norm(kernel[:, width:2 * width]), rtol=1e-5)
