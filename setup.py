@@ -46,5 +46,7 @@ setup(
             # classification metrics; the tests also use it as an independent reference for balanced accuracy and AP.
             "scikit-learn>=1.0,<2",
         ],
+        # Benchmarks only: benchmarks/instability_lab.py plots its loss curves.
+        "bench": ["matplotlib>=3.8"],
     },
 )

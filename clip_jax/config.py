@@ -17,6 +17,7 @@ PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
 REPORT_TO = ("tensorboard", "none")
 RESUME_DATA = ("exact", "allow_reseed")
+OPTIMIZERS = ("adamw", "stable_adamw")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -41,6 +42,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64
     c.accum_freq = 1
+    # adamw | stable_adamw: AdamW whose per-tensor step shrinks when RMS(g / sqrt(v)) > 1 (clip_jax.stable_adamw)
+    c.opt = "adamw"
     c.epochs = 32
     c.lr = 5e-4
     c.warmup = 10_000
@@ -86,6 +89,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.report_to = "tensorboard"  # tensorboard | none (the console always gets progress lines)
     c.log_every_n_steps = 100
     c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
+    # Per-block gradient and update RMS, Adam's RMS ratio, the last blocks' q/k weight norms: computed on every
+    # log_every_n_steps-th step only, written with the other metrics (clip_jax.telemetry)
+    c.spike_telemetry = True
 
     # Faults.
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
@@ -110,6 +116,8 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
     if c.report_to not in REPORT_TO:
         problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
+    if c.opt not in OPTIMIZERS:
+        problems.append(f"opt={c.opt!r}: choose one of {OPTIMIZERS}")
     if c.loss not in LOSSES:
         problems.append(f"loss={c.loss!r}: choose one of {tuple(LOSSES)}")
     if c.attention_impl not in ("auto", "xla", "cudnn"):

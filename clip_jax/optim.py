@@ -1,4 +1,5 @@
-"""OpenCLIP's optimizer as an optax chain: AdamW, its weight-decay mask, warmup + cosine, clipping, clamp."""
+"""OpenCLIP's optimizer as an optax chain: AdamW (or StableAdamW), its weight-decay mask, warmup + cosine,
+clipping, clamp."""
 
 import math
 from collections.abc import Callable
@@ -9,6 +10,7 @@ import optax
 
 from clip_jax.errors import InvalidInput
 from clip_jax.parallel import LAYER_STACK_KEY, path_names
+from clip_jax.stable_adamw import stable_adamw
 
 LOGIT_SCALE_MAX = math.log(100.0)
 
@@ -65,15 +67,20 @@ def create_optimizer(
     b2: float = 0.98,
     eps: float = 1e-6,
     grad_clip_norm: float | None = None,
+    stable: bool = False,
 ) -> optax.GradientTransformation:
-    """Global-norm clipping (when `grad_clip_norm` is set) followed by AdamW with OpenCLIP's decay mask.
+    """Global-norm clipping (when `grad_clip_norm` is set) followed by AdamW with OpenCLIP's decay mask, or by
+    StableAdamW (`stable`: AdamW with the per-tensor update clipping of `clip_jax.stable_adamw`).
 
     The state has the same structure with or without clipping, so a run can resume with either.
     """
     if grad_clip_norm is not None and grad_clip_norm <= 0:
         raise InvalidInput(f"grad_clip_norm must be positive or None, got {grad_clip_norm}")
     clip = optax.identity() if grad_clip_norm is None else optax.clip_by_global_norm(grad_clip_norm)
-    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if stable:
+        adamw = stable_adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    else:
+        adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     return optax.chain(clip, adamw)
 
 

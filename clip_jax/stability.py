@@ -20,17 +20,20 @@ class InstabilityMonitor:
         self.nan_patience, self.spike_factor, self.min_history = nan_patience, spike_factor, min_history
         self.history: collections.deque = collections.deque(maxlen=window)
         self.non_finite_in_a_row = 0
+        self.last_problem: str | None = None  # the kind of the latest problem: "non_finite" or "loss_spike"
 
     def observe(self, loss: float, finite: bool) -> str | None:
         if not finite or not math.isfinite(loss):
             self.non_finite_in_a_row += 1
             if self.non_finite_in_a_row >= self.nan_patience:
+                self.last_problem = "non_finite"
                 return f"{self.non_finite_in_a_row} non-finite steps in a row"
             return None
         self.non_finite_in_a_row = 0
         if self.spike_factor and len(self.history) >= self.min_history:
             mean = sum(self.history) / len(self.history)
             if loss > self.spike_factor * mean:
+                self.last_problem = "loss_spike"
                 return f"loss spike {loss:.4f} > {self.spike_factor} x recent mean {mean:.4f}"
         self.history.append(loss)
         return None

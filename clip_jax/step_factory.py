@@ -18,6 +18,7 @@ guessed back from shardings).
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import jax
@@ -33,9 +34,11 @@ from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
 from clip_jax.precision import get_policy
+from clip_jax.telemetry import every_n_steps, step_telemetry
 from clip_jax.train_step import TrainState, init_train_state, make_forward, make_train_step
 
-OPTIMIZERS = ("adamw", "sgd")  # sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
+# stable_adamw: clip_jax.stable_adamw; sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
+OPTIMIZERS = ("adamw", "stable_adamw", "sgd")
 # A model trained with the sigmoid loss and no logit_bias of its own gets OpenCLIP's --siglip head.
 SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10), -10.0
 
@@ -68,7 +71,8 @@ class OptimizerSpec:
         if self.name == "sgd":
             return optax.sgd(learning_rate_fn)
         return create_optimizer(learning_rate_fn, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
-                                eps=self.eps, grad_clip_norm=self.grad_clip_norm)
+                                eps=self.eps, grad_clip_norm=self.grad_clip_norm,
+                                stable=self.name == "stable_adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,9 @@ class StepSpec:
     # (OpenCLIP's --force-patch-dropout), so `model` holds the rate the step runs with, and FLOPs count it.
     patch_dropout: float | None = None
     seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
+    # Spike telemetry (clip_jax.telemetry) as metrics["telemetry"] on every this many steps (the trainer's logging
+    # steps); 0: off, no telemetry in the metrics
+    telemetry_every: int = 0
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -105,6 +112,8 @@ class StepSpec:
                 self.model, init_logit_scale=SIGLIP_INIT_LOGIT_SCALE, init_logit_bias=SIGLIP_INIT_LOGIT_BIAS))
         if self.accum_steps < 1:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
+        if self.telemetry_every < 0:
+            raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
         if self.patch_dropout is not None:
             vision = dataclasses.replace(self.model.vision, patch_dropout=float(self.patch_dropout))  # checks it
             object.__setattr__(self, "model", dataclasses.replace(self.model, vision=vision))
@@ -119,16 +128,17 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
-        optimizer = OptimizerSpec(lr=config.lr, warmup=config.warmup, total_steps=total_steps,
-                                  weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
-                                  grad_clip_norm=config.grad_clip_norm or None)
+        optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup,
+                                  total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
+                                  b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
         return cls(get_model_config(config.model), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
-                   else force_patch_dropout, seed=config.seed)
+                   else force_patch_dropout, seed=config.seed,
+                   telemetry_every=config.log_every_n_steps if config.get("spike_telemetry", False) else 0)
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -217,7 +227,11 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)
+    telemetry = None
+    if spec.telemetry_every:
+        telemetry = every_n_steps(
+            partial(step_telemetry, b2=spec.optimizer.b2, eps=spec.optimizer.eps), spec.telemetry_every)
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
-                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed)
+                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -20,6 +20,7 @@ class StepReads:
         self._read = read
         self._unread: tuple[int, dict] | None = None
         self.window: TrainMetrics | None = None  # merged over the finite steps read since the last log line
+        self.last_read: tuple[int, dict] | None = None  # the latest step read and kept, with its metrics
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -45,10 +46,11 @@ class StepReads:
             return False
         (step, metrics), self._unread = self._unread, None
         if self._read(step, metrics):
-            self.window = None
+            self.window = self.last_read = None
             return True
+        self.last_read = (step, metrics)
         if bool(metrics["finite"]):  # a skipped step's loss would only turn the window's averages into NaN
-            update = TrainMetrics.single_from_model_output(**metrics)
+            update = TrainMetrics.single_from_model_output(**{k: v for k, v in metrics.items() if k != "telemetry"})
             self.window = update if self.window is None else self.window.merge(update)
         return False
 

@@ -22,6 +22,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import cli, data
+from clip_jax import telemetry as telemetry_lib
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config
 from clip_jax.distributed import initialize_from_environment
@@ -167,6 +168,16 @@ class Trainer:
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **scalars}) + "\n")
 
+    def _event(self, kind: str, step: int, **fields) -> None:
+        """An instability event as its own record: a `{"event": KIND, "step": ...}` line in metrics.jsonl, and
+        `events/KIND` (1 at that step) in TensorBoard."""
+        if not self.is_main:
+            return
+        if self.writer is not None:
+            self.writer.write_scalars(step, {f"events/{kind}": 1.0})
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"event": kind, "step": step, **fields}) + "\n")
+
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def _meta(self) -> CheckpointMeta:
@@ -217,6 +228,8 @@ class Trainer:
             self.engine = build_step(spec, self.mesh)
         self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
+        self._event("rollback", at_step, reason=reason, to_step=step, precision=self.engine.spec.precision,
+                    rollbacks=self.rollbacks)
         self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
                   f"{self.engine.spec.precision} (rollback #{self.rollbacks})")
         self.step = step
@@ -270,7 +283,7 @@ class Trainer:
                 if reads.catch_up():  # what is logged or saved has been checked
                     continue
                 if log_due:
-                    self._log_window(*reads.take_window())
+                    self._log_window(*reads.take_window(), telemetry=self._telemetry(reads.last_read))
                 if save_due:
                     self.save()
                 if zeroshot_due:
@@ -300,14 +313,26 @@ class Trainer:
         if not finite:
             self.skipped_updates += 1
             log.warning("step %d: non-finite loss or gradients, update skipped", step)
+            self._event("non_finite_step", step, skipped_updates=self.skipped_updates)
         problem = monitor.observe(loss, bool(finite))
+        if problem and monitor.last_problem == "loss_spike":
+            self._event("loss_spike", step, loss_value=loss, reason=problem)
         if problem:
             self._roll_back(problem, at_step=step)
             monitor.reset()
             return True
         return False
 
-    def _log_window(self, window, steps: int, elapsed: float, data_wait: float) -> None:
+    def _telemetry(self, last_read: tuple[int, dict] | None) -> dict[str, float]:
+        """The spike telemetry of the step just read, when it is this step and computed it."""
+        if last_read is None or last_read[0] != self.step or "telemetry" not in last_read[1]:
+            return {}
+        step = self.engine.spec.telemetry_every
+        if not step or self.step % step:  # the final step of a run may fall between telemetry steps
+            return {}
+        return telemetry_lib.flatten(jax.device_get(last_read[1]["telemetry"]))
+
+    def _log_window(self, window, steps: int, elapsed: float, data_wait: float, telemetry: dict | None = None) -> None:
         scalars = window_scalars(window) if window is not None else {}
         if not scalars:
             return
@@ -326,7 +351,7 @@ class Trainer:
             samples_seen=self.step * self.schedule.global_batch,
         )
         self._say(progress_line(self.step, self.schedule.total_steps, self.schedule.epoch(self.step), scalars))
-        self._record(self.step, {k: v for k, v in scalars.items() if v is not None})
+        self._record(self.step, {k: v for k, v in scalars.items() if v is not None} | (telemetry or {}))
 
     # -- zero-shot ------------------------------------------------------------------------------------------
 

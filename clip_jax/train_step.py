@@ -212,6 +212,7 @@ def make_train_step(
     loss: str = "clip",
     patch_dropout: float = 0.0,
     seed: int = 0,
+    telemetry: Callable | None = None,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
@@ -224,6 +225,8 @@ def make_train_step(
     was skipped for a non-finite loss or gradient).
     `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
     seed, from which each step's kept patches are drawn.
+    `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics returned as
+    `metrics["telemetry"]` (`clip_jax.telemetry`: computed on logging steps only, zeros on the others).
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -288,6 +291,9 @@ def make_train_step(
         }
         if len(logit_params) > 1:
             metrics["logit_bias"] = logit_params[1]
+        if telemetry is not None:
+            # the state after the step: the donated old params, read here, would have to be copied first
+            metrics["telemetry"] = telemetry(state.step, grads, updates, opt_state, params)
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(
