@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
+from clip_jax.lock import LockSpec, locked_optimizer
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
 from clip_jax.models.layers import choose_attention_impl
@@ -90,6 +91,8 @@ class StepSpec:
     # (OpenCLIP's --force-patch-dropout), so `model` holds the rate the step runs with, and FLOPs count it.
     patch_dropout: float | None = None
     seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
+    # Locked towers (LiT, OpenCLIP's --lock-image / --lock-text): their params get no update and no optimizer state.
+    lock: LockSpec = LockSpec()
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -123,12 +126,12 @@ class StepSpec:
                                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                   grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
-        return cls(get_model_config(config.model), precision,
+        return cls(run_model_config(config), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
-                   else force_patch_dropout, seed=config.seed)
+                   else force_patch_dropout, seed=config.seed, lock=lock_spec(config))
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -140,6 +143,24 @@ class StepSpec:
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
+
+
+def run_model_config(config) -> CLIPConfig:
+    """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
+    pretrained weights for another size get their positional embedding resized on load)."""
+    model = get_model_config(config.model)
+    size = config.get("force_image_size") or 0
+    if size:
+        model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, image_size=int(size)))
+    return model
+
+
+def lock_spec(config) -> LockSpec:
+    """The towers a training config locks (fields absent from older configs: nothing locked)."""
+    return LockSpec(image=bool(config.get("lock_image", False)),
+                    image_unlocked_groups=int(config.get("lock_image_unlocked_groups", 0)),
+                    text=bool(config.get("lock_text", False)),
+                    text_unlocked_layers=int(config.get("lock_text_unlocked_layers", 0)))
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
@@ -212,7 +233,8 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     """The model, optimizer, train-state layout and jitted step of `spec` on `mesh`."""
     model = spec.create_model()
     learning_rate_fn = spec.optimizer.learning_rate_fn()
-    optimizer = spec.optimizer.create(learning_rate_fn)
+    optimizer = locked_optimizer(spec.optimizer.create(learning_rate_fn), spec.lock, spec.model.vision.layers,
+                                 spec.model.text.layers)
     shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

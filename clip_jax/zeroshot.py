@@ -19,8 +19,6 @@ import time
 import jax
 import numpy as np
 
-from clip_jax.checkpoint import read_params
-from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, UserError
@@ -33,16 +31,13 @@ from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.models import create_model, init_params
 from clip_jax.parallel import create_mesh
+from clip_jax.pretrained import load_pretrained
 
 
 def read_checkpoint(checkpoint: str, model_name: str) -> dict:
-    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), a
-    clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
-    if os.path.isdir(checkpoint):
-        params = read_params(checkpoint)
-        to_open_clip(params, model_name)  # refuses, naming the keys, params of another model
-        return params
-    return load_params(checkpoint, model_name)
+    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), an
+    exported model folder, a clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
+    return load_pretrained(checkpoint, model_name)
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:

@@ -216,3 +216,31 @@ def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CL
         raise InvalidInput(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "
                          "-quickgelu), or pass an OpenCLIP model-config .json file or dict")
     return config_from_open_clip({**_OPEN_CLIP_CONFIGS[base], "quick_gelu": quick}, name=name)
+
+
+def _mlp_ratio(width: int, mlp_width: int) -> float:
+    """A ratio OpenCLIP turns back into exactly `mlp_width` (it computes `int(width * mlp_ratio)`; the plain quotient
+    can land one ulp below and truncate to mlp_width - 1)."""
+    ratio = mlp_width / width
+    while int(width * ratio) < mlp_width:
+        ratio = math.nextafter(ratio, math.inf)
+    return ratio
+
+
+def open_clip_model_cfg(config: CLIPConfig) -> dict:
+    """`config` in OpenCLIP's model-config JSON format (the inverse of `config_from_open_clip`): what an exported
+    model's `open_clip_config.json` holds as `model_cfg`, so that OpenCLIP builds the same architecture."""
+    v, t = config.vision, config.text
+    cfg = {
+        "embed_dim": config.embed_dim,
+        "quick_gelu": config.quick_gelu,
+        "vision_cfg": {"image_size": v.image_size, "layers": v.layers, "width": v.width, "patch_size": v.patch_size,
+                       "head_width": v.width // v.heads, "mlp_ratio": _mlp_ratio(v.width, v.mlp_width),
+                       "patch_dropout": v.patch_dropout},
+        "text_cfg": {"context_length": t.context_length, "vocab_size": t.vocab_size, "width": t.width,
+                     "heads": t.heads, "layers": t.layers, "mlp_ratio": _mlp_ratio(t.width, t.mlp_width)},
+        "init_logit_scale": config.init_logit_scale,
+    }
+    if config.init_logit_bias is not None:
+        cfg["init_logit_bias"] = config.init_logit_bias
+    return cfg
