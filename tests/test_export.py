@@ -2,7 +2,11 @@
 loads in OpenCLIP with the run's preprocessing and features, and fine-tuning (also at a larger image size, as
 L/14 went from 224 to 336 px) continues from the pretrained loss."""
 
+import contextlib
+import io
 import json
+import os
+import re
 
 import jax
 import numpy as np
@@ -134,3 +138,16 @@ def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exporte
     assert export.main([str(tmp_path / "run"), str(out)]) == 0
     assert json.loads((out / "open_clip_config.json").read_text())["preprocess_cfg"]["size"] == 42
     _assert_open_clip_agrees(out, None)
+
+
+def test_the_readme_example_classifies_an_image(exported, tmp_path):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+                  if "create_model_and_transforms(\"local-dir:" in block]
+    _image(seed=4, size=(64, 48)).save(tmp_path / "photo.jpg")
+    code = example.replace("exported/", f"{exported}/").replace("photo.jpg", str(tmp_path / "photo.jpg"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    label, _ = printed.getvalue().split(" [", 1)
+    assert label in ("a photo of a sneaker", "a photo of a bag", "a photo of a dress")
