@@ -2,7 +2,8 @@
 
     python -m clip_jax.export logs/my-run exported/        # the run's newest checkpoint
     python -m clip_jax.export logs/my-run exported/ --step 4000
-    python -m clip_jax.export open_clip_pytorch_model.bin exported/ --model ViT-L-14 --mean 0.5 0.5 0.5 --std 0.5 0.5 0.5
+    python -m clip_jax.export open_clip_pytorch_model.bin exported/ --model ViT-L-14 --mean 0.5 0.5 0.5 \\
+        --std 0.5 0.5 0.5
 
 OUT_DIR gets `open_clip_config.json` (`model_cfg`: the architecture in OpenCLIP's model-config format;
 `preprocess_cfg`: mean, std, interpolation, resize mode and image size) and `open_clip_model.safetensors` (the

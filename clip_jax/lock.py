@@ -9,7 +9,8 @@ same for the text tower: the embeddings (`token_embedding`, `positional_embeddin
 Here the residual blocks of a tower are one stacked leaf per parameter (axis 0 = layer), so a leaf is trainable
 (True), locked (False), or trainable in some layers only (a bool vector over the layers). `locked_optimizer` gives
 locked leaves no update and no optimizer state (optax's `multi_transform` with `set_to_zero`); in a partly locked
-stack the locked layers' gradients and updates are zeroed, so their moments stay 0 and they do not move.
+stack the locked layers' gradients and updates are zeroed, so their moments stay 0 and they do not move. The train
+step also stops the gradients into locked params (`stop_locked_gradients`), so no backward work is spent on them.
 """
 
 import dataclasses
@@ -87,6 +88,25 @@ def trainable_mask(params, lock: LockSpec, image_layers: int, text_layers: int):
     """`params`' tree with `leaf_trainable` at every leaf."""
     return jax.tree_util.tree_map_with_path(
         lambda path, _: leaf_trainable(path_names(path), lock, image_layers, text_layers), params)
+
+
+def stop_locked_gradients(params, lock: LockSpec, image_layers: int, text_layers: int):
+    """`params` with no gradient flowing into the locked leaves (and rows): the backward then skips what only they
+    need, as OpenCLIP's autograd does for params without `requires_grad` (a fully locked image tower is not
+    back-propagated through at all)."""
+    if not lock.any:
+        return params
+
+    def stop(path, leaf):
+        trainable = leaf_trainable(path_names(path), lock, image_layers, text_layers)
+        if trainable is True:
+            return leaf
+        if trainable is False:
+            return jax.lax.stop_gradient(leaf)
+        rows = jnp.asarray(trainable).reshape((-1,) + (1,) * (leaf.ndim - 1))
+        return jnp.where(rows, leaf, jax.lax.stop_gradient(leaf))
+
+    return jax.tree_util.tree_map_with_path(stop, params)
 
 
 def _labels(lock, image_layers, text_layers):

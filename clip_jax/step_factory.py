@@ -17,6 +17,7 @@ guessed back from shardings).
 
 import dataclasses
 import math
+from functools import partial
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
-from clip_jax.lock import LockSpec, locked_optimizer
+from clip_jax.lock import LockSpec, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
 from clip_jax.models.layers import choose_attention_impl
@@ -239,7 +240,9 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)
+    freeze = partial(stop_locked_gradients, lock=spec.lock, image_layers=spec.model.vision.layers,
+                     text_layers=spec.model.text.layers) if spec.lock.any else None
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
-                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed)
+                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, freeze=freeze)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

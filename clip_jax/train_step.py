@@ -212,6 +212,7 @@ def make_train_step(
     loss: str = "clip",
     patch_dropout: float = 0.0,
     seed: int = 0,
+    freeze: Callable | None = None,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
@@ -223,7 +224,8 @@ def make_train_step(
     `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
     was skipped for a non-finite loss or gradient).
     `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
-    seed, from which each step's kept patches are drawn.
+    seed, from which each step's kept patches are drawn. `freeze`: params -> params with the gradients into locked
+    params stopped (`clip_jax.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -234,6 +236,12 @@ def make_train_step(
                          "init_logit_bias in its config (StepSpec does, as OpenCLIP's --siglip)")
     n_shards = data_parallel_size(mesh)
     forward = make_forward(model, mesh, fsdp=fsdp)
+    if freeze is not None:
+        unfrozen_forward = forward
+
+        def forward(params, batch):
+            return unfrozen_forward(freeze(params), batch)
+
     loss_function = LOSSES[loss]
 
     def loss_fn(image_features, text_features, logit_scale, *logit_bias):

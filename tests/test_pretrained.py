@@ -132,6 +132,14 @@ def _adam_state(opt_state) -> optax.ScaleByAdamState:
     return adam
 
 
+def test_a_locked_image_tower_is_not_back_propagated_through(tiny_params):
+    def step_flops(lock):
+        step = build_step(StepSpec(TINY, lock=lock), create_mesh())
+        return step.compile(per_device_batch=2).cost_analysis()["flops"]
+
+    assert step_flops(LockSpec(image=True)) < 0.8 * step_flops(LockSpec())
+
+
 def test_partly_unlocked_stacks_move_only_their_unlocked_layers(tiny_params):
     # 3 image layers; 2 unlocked groups: the last block with ln_post, and proj
     state = _run_steps(LockSpec(image=True, image_unlocked_groups=2, text=True, text_unlocked_layers=1), tiny_params)
