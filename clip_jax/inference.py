@@ -69,9 +69,26 @@ def _preprocessing(pretrained: str | None) -> dict:
     return {}
 
 
+def _pretrained_model_config(pretrained: str | None):
+    """The model an exported folder or a run holds (at the image size the run trained at)."""
+    from clip_jax.pretrained import export_model_config, is_export_folder, read_run_config, run_directory
+
+    if pretrained is not None and is_export_folder(pretrained):
+        return export_model_config(pretrained)
+    if pretrained is not None and os.path.isdir(pretrained) and run_directory(pretrained) is not None:
+        from clip_jax.export import run_model_config
+
+        return run_model_config(read_run_config(pretrained))
+    raise InvalidInput(f"name_or_config=None takes the model from an exported folder or a clip_jax run; "
+                       f"pretrained={pretrained!r} is neither: name the model")
+
+
 def create_model_and_transforms(name_or_config, pretrained: str | None = None, *, image_mean=None, image_std=None,
                                 dtype=None, seed: int = 0) -> tuple:
     """(model, params, train_transform, eval_transform), like OpenCLIP's function of the same name.
+
+    `name_or_config` None: the model an exported folder or a run given as `pretrained` holds (a run's at the image
+    size it trained at; a model named here instead gets the weights fitted to its own size, as OpenCLIP does).
 
     `pretrained`: anything `clip_jax.pretrained.load_pretrained` reads (OpenCLIP checkpoint, exported folder,
     clip_jax run or params file); None: freshly initialised params (`seed`). `image_mean` / `image_std` replace
@@ -87,6 +104,8 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
         folder = name_or_config[len(LOCAL_DIR):]
         config = export_model_config(folder)
         pretrained = folder if pretrained is None else pretrained
+    elif name_or_config is None:
+        config = _pretrained_model_config(pretrained)
     else:
         config = get_model_config(name_or_config)
     model = create_model(config, dtype=jnp.float32 if dtype is None else dtype)

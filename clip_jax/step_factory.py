@@ -127,7 +127,7 @@ class StepSpec:
                                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                   grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
-        return cls(run_model_config(config), precision,
+        return cls(model_at_image_size(config), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
@@ -146,7 +146,7 @@ class StepSpec:
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
 
 
-def run_model_config(config) -> CLIPConfig:
+def model_at_image_size(config) -> CLIPConfig:
     """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
     pretrained weights for another size get their positional embedding resized on load)."""
     model = get_model_config(config.model)

@@ -134,6 +134,9 @@ def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exporte
     jax.tree.map(np.testing.assert_array_equal, params["transformer"], start["transformer"])  # locked
     assert not np.array_equal(params["visual"]["proj"], start["visual"]["proj"])
 
+    model, _, _, eval_transform = clip_jax.create_model_and_transforms(None, pretrained=str(tmp_path / "run"))
+    assert model.config.vision.image_size == 42 and eval_transform(_image()).shape == (42, 42, 3)
+
     out = tmp_path / "exported-42"
     assert export.main([str(tmp_path / "run"), str(out)]) == 0
     assert json.loads((out / "open_clip_config.json").read_text())["preprocess_cfg"]["size"] == 42
