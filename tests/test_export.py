@@ -113,10 +113,12 @@ def test_fine_tuning_from_a_pretrained_run_continues_from_its_loss(shards, base_
     train_lib.train(tiny_config(shards, tmp_path, train_num_samples=512, lr=1e-4, warmup=1,
                                 pretrained=str(base_run), image_mean=HALF, image_std=HALF))
     base, tuned = losses(base_run), losses(tmp_path / "run")
-    fresh_start = np.mean([base[s] for s in range(1, 5)])
-    pretrained_end = np.mean([base[s] for s in range(93, 97)])
-    assert fresh_start > pretrained_end + 0.4, (fresh_start, pretrained_end)
-    assert abs(tuned[1] - pretrained_end) < 0.25, (tuned[1], pretrained_end)
+    fresh_start = np.mean([base[s] for s in range(1, 5)])  # ~4.25 (chance: ln 64 = 4.16)
+    pretrained_end = np.mean([base[s] for s in range(89, 97)])  # ~3.2
+    tuned_start = np.mean([tuned[s] for s in range(1, 5)])  # ~3.0: the learning rate is low, the params barely move
+    assert fresh_start > pretrained_end + 0.6, (fresh_start, pretrained_end)
+    assert abs(tuned_start - pretrained_end) < 0.35, (tuned_start, pretrained_end)
+    assert tuned_start < fresh_start - 0.8, (tuned_start, fresh_start)
     assert sorted(tuned) == list(range(1, 9))  # a new run: its own schedule from step 0
 
 
