@@ -120,6 +120,10 @@ def test_fine_tuning_from_a_pretrained_run_continues_from_its_loss(shards, base_
     assert abs(tuned_start - pretrained_end) < 0.35, (tuned_start, pretrained_end)
     assert tuned_start < fresh_start - 0.8, (tuned_start, fresh_start)
     assert sorted(tuned) == list(range(1, 9))  # a new run: its own schedule from step 0
+    # Continued, the run takes its own checkpoint, not the pretrained weights.
+    with train_lib.Trainer(tiny_config(shards, tmp_path, train_num_samples=512, pretrained=str(base_run),
+                                       resume="latest", image_mean=HALF, image_std=HALF)) as trainer:
+        assert trainer.step == 8
 
 
 def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exported, tmp_path):

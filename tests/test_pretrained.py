@@ -165,6 +165,15 @@ def test_the_model_config_written_for_open_clip_builds_the_same_model(torch_mode
     assert {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()} == convert.open_clip_shapes(config)
 
 
+def test_a_sigmoid_loss_model_exports_its_logit_bias(tmp_path):
+    config = get_model_config({**TINY, "init_logit_scale": 2.3, "init_logit_bias": -10.0})
+    params = jax.device_get(init_params(create_model(config), jax.random.key(1)))
+    export_open_clip(params, config, str(tmp_path), mean=(0.5,) * 3, std=(0.5,) * 3)
+    reference, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path}")
+    assert reference.logit_bias.item() == float(params["logit_bias"]) == -10.0
+    assert reference.logit_scale.item() == pytest.approx(2.3)
+
+
 def test_a_checkpoint_of_another_architecture_is_refused_naming_file_keys_and_shapes(torch_model, tmp_path):
     path = str(tmp_path / "other.safetensors")
     save_file(state_dict_numpy(torch_model), path)
