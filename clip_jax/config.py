@@ -59,6 +59,25 @@ def default_config() -> ml_collections.ConfigDict:
     # (0 for a final unmasked phase); -1: the model's. Eval never drops patches.
     c.force_patch_dropout = -1.0
 
+    # Starting from pretrained weights and fine-tuning.
+    # A new run's params start from these weights (fresh optimizer, schedule and data; on resume the checkpoint
+    # wins): an OpenCLIP checkpoint (.pt/.bin/.safetensors), a folder written by `python -m clip_jax.export`, or a
+    # clip_jax run directory / checkpoint. "": a fresh initialisation
+    c.pretrained = ""
+    # Train at this image size instead of the model config's (OpenCLIP's --force-image-size; 0: the model's): the
+    # pretrained vision positional embedding is resized bicubically, class token kept (224 -> 336 px for L/14@336)
+    c.force_image_size = 0
+    # LiT: lock the image tower but its last `lock_image_unlocked_groups` groups (OpenCLIP's grouping: the stem,
+    # each block, the last block with ln_post, the projection); `lock_image_freeze_bn_stats` is accepted for
+    # OpenCLIP's flag and changes nothing (a ViT has no batch norm)
+    c.lock_image = False
+    c.lock_image_unlocked_groups = 0
+    c.lock_image_freeze_bn_stats = False
+    # Lock the text tower but its last `lock_text_unlocked_layers` groups (embeddings, blocks, the last block with
+    # ln_final, the projection). Locked params get no update and no optimizer state
+    c.lock_text = False
+    c.lock_text_unlocked_layers = 0
+
     # Precision and memory.
     c.precision = "bf16"  # fp32 | bf16 | pure_bf16; may change when resuming
     c.grad_checkpointing = True  # rematerialise every residual block ...
@@ -142,6 +161,16 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append("image_mean and image_std need 3 values each")
     if c.resume and c.resume != "latest" and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
+    if c.get("pretrained") and not os.path.exists(c.pretrained):
+        problems.append(f"pretrained={c.pretrained!r} does not exist: give an OpenCLIP checkpoint, an exported "
+                        "folder or a clip_jax run directory")
+    if c.get("force_image_size", 0) < 0:
+        problems.append(f"force_image_size={c.force_image_size} must not be negative (0: the model's)")
+    for lock, unlocked in (("lock_image", "lock_image_unlocked_groups"), ("lock_text", "lock_text_unlocked_layers")):
+        if c.get(unlocked, 0) < 0:
+            problems.append(f"{unlocked}={c[unlocked]} must not be negative")
+        elif c.get(unlocked, 0) and not c.get(lock, False):
+            problems.append(f"{unlocked}={c[unlocked]} has no effect without {lock}=True")
     if c.zeroshot_data and c.zeroshot_data != "demo" and not os.path.isdir(c.zeroshot_data):
         problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder nor a "
                         "CLIP_benchmark dataset folder")

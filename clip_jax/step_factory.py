@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
+from clip_jax.lock import LockSpec, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
 from clip_jax.models.layers import choose_attention_impl
@@ -97,6 +98,8 @@ class StepSpec:
     # Spike telemetry (clip_jax.telemetry) as metrics["telemetry"] on every this many steps (the trainer's logging
     # steps); 0: off, no telemetry in the metrics
     telemetry_every: int = 0
+    # Locked towers (LiT, OpenCLIP's --lock-image / --lock-text): their params get no update and no optimizer state.
+    lock: LockSpec = LockSpec()
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -132,12 +135,12 @@ class StepSpec:
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
-        return cls(get_model_config(config.model), precision,
+        return cls(model_at_image_size(config), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
-                   else force_patch_dropout, seed=config.seed,
+                   else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
                    telemetry_every=config.log_every_n_steps if config.get("spike_telemetry", False) else 0)
 
     def create_model(self):
@@ -150,6 +153,24 @@ class StepSpec:
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
+
+
+def model_at_image_size(config) -> CLIPConfig:
+    """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
+    pretrained weights for another size get their positional embedding resized on load)."""
+    model = get_model_config(config.model)
+    size = config.get("force_image_size") or 0
+    if size:
+        model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, image_size=int(size)))
+    return model
+
+
+def lock_spec(config) -> LockSpec:
+    """The towers a training config locks (fields absent from older configs: nothing locked)."""
+    return LockSpec(image=bool(config.get("lock_image", False)),
+                    image_unlocked_groups=int(config.get("lock_image_unlocked_groups", 0)),
+                    text=bool(config.get("lock_text", False)),
+                    text_unlocked_layers=int(config.get("lock_text_unlocked_layers", 0)))
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
@@ -222,7 +243,8 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     """The model, optimizer, train-state layout and jitted step of `spec` on `mesh`."""
     model = spec.create_model()
     learning_rate_fn = spec.optimizer.learning_rate_fn()
-    optimizer = spec.optimizer.create(learning_rate_fn)
+    optimizer = locked_optimizer(spec.optimizer.create(learning_rate_fn), spec.lock, spec.model.vision.layers,
+                                 spec.model.text.layers)
     shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -231,7 +253,10 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     if spec.telemetry_every:
         telemetry = every_n_steps(
             partial(step_telemetry, b2=spec.optimizer.b2, eps=spec.optimizer.eps), spec.telemetry_every)
+    freeze = partial(stop_locked_gradients, lock=spec.lock, image_layers=spec.model.vision.layers,
+                     text_layers=spec.model.text.layers) if spec.lock.any else None
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
-                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry)
+                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry,
+                             freeze=freeze)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -10,8 +10,8 @@ Per tower (`visual`, `text`) and per residual block (a layer of the scanned stac
   is larger than the learning rate intends (Wortsman et al. 2023; StableAdamW clips on it per tensor). Only for
   optimizers with Adam's state;
 - `q_norm`, `k_norm` (of the last block, after the update): Frobenius norms of its query and key projection
-  kernels. Attention logits grow with |q||k|; growing norms precede the attention-entropy collapse behind many spikes. (A data-free proxy for
-  the largest attention logit, which would need the last block's activations.)
+  kernels. Attention logits grow with |q||k|; growing norms precede the attention-entropy collapse behind many
+  spikes. (A data-free proxy for the largest attention logit, which would need the last block's activations.)
 
 `step_telemetry` returns `{tower: {name: [layers] or scalar}}` of fp32 arrays; `flatten` turns a fetched one into
 TensorBoard tags such as `telemetry/visual/grad_rms/block_3`.
@@ -37,9 +37,11 @@ def tower_of(names: list[str]) -> str | None:
 
 
 def _block_sums(tree, value: Callable) -> dict[str, tuple[jax.Array, int]]:
-    """Per tower: (sum over each layer of value(leaf) [layers], elements per layer) over every block leaf."""
+    """Per tower: (sum over each layer of value(leaf) [layers], elements per layer) over every block leaf. `tree`
+    may also be a list of (path, leaf) pairs."""
     sums: dict[str, tuple[jax.Array, int]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    pairs = tree if isinstance(tree, list) else jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in pairs:
         tower = tower_of(path_names(path))
         if tower is None:
             continue
@@ -73,8 +75,11 @@ def step_telemetry(grads, updates, new_opt_state, new_params, *, b2: float,
     adam = find_adam_state(new_opt_state)
     if adam is not None:
         bias_correction = 1 - b2 ** adam.count.astype(jnp.float32)
-        ratios = jax.tree.map(lambda g, v: _square(g) / jnp.maximum(v.astype(jnp.float32) / bias_correction, eps**2),
-                              grads, adam.nu)
+        # Matched by path: a locked tower (clip_jax.lock) has no moments, its leaves are absent from `nu`.
+        nu = {jax.tree_util.keystr(path): v for path, v in jax.tree_util.tree_flatten_with_path(adam.nu)[0]}
+        ratios = [(path, _square(g) / jnp.maximum(nu[key].astype(jnp.float32) / bias_correction, eps**2))
+                  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+                  if (key := jax.tree_util.keystr(path)) in nu]
         for tower, (total, count) in _block_sums(ratios, lambda x: x).items():
             out[tower]["rms_ratio"] = jnp.sqrt(total / count)
     for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:

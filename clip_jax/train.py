@@ -17,6 +17,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -125,6 +126,8 @@ class Trainer:
             self.skipped_updates, self.rollbacks = meta.skipped_updates, meta.rollbacks
             self._say(f"resumed {directory}/{step} (saved under {meta.precision}, continuing under "
                       f"{self.engine.spec.precision})")
+        elif config.get("pretrained"):
+            self.state = self._pretrained_state(config.pretrained)
         else:
             self.state = self.engine.init(config.seed)
         for note in self.start.notes:
@@ -136,6 +139,16 @@ class Trainer:
                 f.write(config.to_json(indent=2))
             if config.report_to == "tensorboard":
                 self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
+
+    def _pretrained_state(self, path: str):
+        """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes),
+        a fresh optimizer state, step 0."""
+        from clip_jax.pretrained import load_pretrained
+
+        params = load_pretrained(path, self.engine.spec.model)
+        params = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params, self.engine.abstract_state.params)
+        self._say(f"params from pretrained {path}")
+        return self.engine.state_from_params(params)
 
     def close(self) -> None:
         """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None)."""
@@ -377,7 +390,7 @@ class Trainer:
             dataset = dataset.head(c.zeroshot_samples)
         # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
         batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
-        return ZeroShotEvaluator(create_model(c.model), dataset, self.mesh, batch_size=batch,
+        return ZeroShotEvaluator(create_model(self.engine.spec.model), dataset, self.mesh, batch_size=batch,
                                  mean=tuple(c.image_mean), std=tuple(c.image_std))
 
     def zeroshot(self) -> dict:

@@ -213,6 +213,7 @@ def make_train_step(
     patch_dropout: float = 0.0,
     seed: int = 0,
     telemetry: Callable | None = None,
+    freeze: Callable | None = None,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
@@ -224,7 +225,8 @@ def make_train_step(
     `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
     was skipped for a non-finite loss or gradient).
     `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
-    seed, from which each step's kept patches are drawn.
+    seed, from which each step's kept patches are drawn. `freeze`: params -> params with the gradients into locked
+    params stopped (`clip_jax.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
     `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics returned as
     `metrics["telemetry"]` (`clip_jax.telemetry`: computed on logging steps only, zeros on the others).
     """
@@ -237,6 +239,12 @@ def make_train_step(
                          "init_logit_bias in its config (StepSpec does, as OpenCLIP's --siglip)")
     n_shards = data_parallel_size(mesh)
     forward = make_forward(model, mesh, fsdp=fsdp)
+    if freeze is not None:
+        unfrozen_forward = forward
+
+        def forward(params, batch):
+            return unfrozen_forward(freeze(params), batch)
+
     loss_function = LOSSES[loss]
 
     def loss_fn(image_features, text_features, logit_scale, *logit_bias):

@@ -26,8 +26,6 @@ import time
 import jax
 import numpy as np
 
-from clip_jax.checkpoint import read_params
-from clip_jax.convert import load_params, to_open_clip
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, UserError
@@ -42,16 +40,14 @@ from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.models import create_model, init_params
 from clip_jax.parallel import create_mesh
+from clip_jax.inference import saved_preprocessing
+from clip_jax.pretrained import load_pretrained
 
 
 def read_checkpoint(checkpoint: str, model_name: str) -> dict:
-    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), a
-    clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
-    if os.path.isdir(checkpoint):
-        params = read_params(checkpoint)
-        to_open_clip(params, model_name)  # refuses, naming the keys, params of another model
-        return params
-    return load_params(checkpoint, model_name)
+    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), an
+    exported model folder, a clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
+    return load_pretrained(checkpoint, model_name)
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:
@@ -158,6 +154,9 @@ def format_tables(results: dict) -> str:
 
 
 def run(args) -> dict:
+    saved = saved_preprocessing(args.checkpoint)
+    args.mean = tuple(args.mean or saved.get("mean") or OPENAI_MEAN)
+    args.std = tuple(args.std or saved.get("std") or OPENAI_STD)
     model = create_model(args.model, dtype=args.compute_dtype)
     check_vocabulary(model)
     mesh = create_mesh()
@@ -198,7 +197,8 @@ def run(args) -> dict:
     for record in run_benchmark(args, model, params, mesh, layouts, batch_size):
         results[record["dataset"]] = record
     return {"model": args.model, "checkpoint": args.checkpoint, "num_devices": mesh.size,
-            "compute_dtype": args.compute_dtype, "batch_size": batch_size, "results": results}
+            "compute_dtype": args.compute_dtype, "batch_size": batch_size, "mean": list(args.mean),
+            "std": list(args.std), "results": results}
 
 
 def parse_args(argv=None):
@@ -238,8 +238,9 @@ def parse_args(argv=None):
                       f"{' or '.join(prompts_lib.TEMPLATE_SETS)} (default openai_imagenet), or a file (JSON list or "
                       "one per line, each with one '{}')")
     data.add_argument("--limit", type=int, help="evaluate only the first N images of each dataset")
-    parser.add_argument("--mean", type=float, nargs=3, default=OPENAI_MEAN, help="image mean (LAION L/14: 0.5 0.5 0.5)")
-    parser.add_argument("--std", type=float, nargs=3, default=OPENAI_STD, help="image std (LAION L/14: 0.5 0.5 0.5)")
+    own = "(default: the checkpoint's own, from an exported folder's preprocess_cfg or a run's config, else OpenAI's)"
+    parser.add_argument("--mean", type=float, nargs=3, help=f"image mean {own}")
+    parser.add_argument("--std", type=float, nargs=3, help=f"image std {own}")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch (rounded up to a multiple of the "
                         "number of devices)")
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))

@@ -1,4 +1,4 @@
-"""CLIP_benchmark's datasets and metrics: LAION's own `clip-benchmark` package scores an OpenCLIP model made from
+"""CLIP_benchmark's datasets and metrics: LAION's own `clip-benchmark` package scores the OpenCLIP model of an export of
 clip_jax params on small datasets in its webdataset layout, and `python -m clip_jax.zeroshot --benchmark` must report
 the same numbers; the metrics against independent computations; and every bad file named in one clear error."""
 
@@ -16,10 +16,12 @@ import torch
 from PIL import Image
 
 from clip_jax import convert, zeroshot
+from clip_jax.export import export_open_clip
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation import metrics as metrics_lib
+from clip_jax.models import get_model_config
 from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 
 CLASSES = ["bag", "boot", "coat", "dress", "shirt", "sandal"]
@@ -108,12 +110,13 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def torch_model(params):
-    """The OpenCLIP model of those params: clip_jax -> `convert.to_open_clip` -> OpenCLIP's own CLIP."""
-    model = open_clip.CLIP(**TINY_77)
-    state = {k: torch.from_numpy(np.asarray(v)) for k, v in convert.to_open_clip(params, TINY_77).items()}
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+def exported(params, tmp_path_factory):
+    """The OpenCLIP model and eval transform of those params as users get them: `python -m clip_jax.export`'s
+    folder loaded by `open_clip.create_model_and_transforms("local-dir:...")`."""
+    folder = tmp_path_factory.mktemp("export")
+    export_open_clip(params, get_model_config(TINY_77), str(folder), mean=OPENAI_MEAN, std=OPENAI_STD)
+    model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    return model.eval(), transform
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +152,10 @@ def ours(setup, tmp_path_factory):
     return out, records
 
 
-def _benchmark_dataset(folder, name, task):
-    """CLIP_benchmark's own reader of its webdataset layout, with OpenCLIP's eval transform."""
+def _benchmark_dataset(folder, name, task, transform):
+    """CLIP_benchmark's own reader of its webdataset layout, with the exported model's eval transform."""
     from clip_benchmark.datasets.builder import build_dataset
 
-    transform = open_clip.image_transform(32, is_train=False, mean=OPENAI_MEAN, std=OPENAI_STD)
     return build_dataset(f"wds/{name}", root=str(folder), transform=transform, split="test", task=task)
 
 
@@ -166,11 +168,13 @@ def _loader(dataset, collate=None):
 # Agreement with LAION's clip-benchmark
 
 
-def test_classification_equals_clip_benchmarks(setup, ours, torch_model):
+def test_classification_equals_clip_benchmarks(setup, ours, exported):
     from clip_benchmark.metrics.zeroshot_classification import run_classification, zero_shot_classifier
     from sklearn.metrics import balanced_accuracy_score
 
-    dataset = _benchmark_dataset(setup["collection"] / "vtab" / "fashion", "vtab/fashion", "zeroshot_classification")
+    torch_model, transform = exported
+    dataset = _benchmark_dataset(setup["collection"] / "vtab" / "fashion", "vtab/fashion", "zeroshot_classification",
+                                 transform)
     assert dataset.classes == CLASSES and dataset.templates == TEMPLATES
     classifier = zero_shot_classifier(torch_model, open_clip.tokenize, dataset.classes, dataset.templates, "cpu",
                                       amp=False)
@@ -190,11 +194,12 @@ def test_classification_equals_clip_benchmarks(setup, ours, torch_model):
     assert 0 < acc1 < 1 and acc1 < acc5 < 1 and 0 < recall < 1  # informative: neither all right nor all wrong
 
 
-def test_retrieval_equals_clip_benchmarks(setup, ours, torch_model):
+def test_retrieval_equals_clip_benchmarks(setup, ours, exported):
     from clip_benchmark.datasets.builder import image_captions_collate_fn
     from clip_benchmark.metrics import zeroshot_retrieval
 
-    dataset = _benchmark_dataset(setup["collection"] / "captions", "captions", "zeroshot_retrieval")
+    torch_model, transform = exported
+    dataset = _benchmark_dataset(setup["collection"] / "captions", "captions", "zeroshot_retrieval", transform)
     theirs = zeroshot_retrieval.evaluate(torch_model, _loader(dataset, image_captions_collate_fn), open_clip.tokenize,
                                          "cpu", amp=False, recall_k_list=RECALL_K)
     _, record = ours[1]["wds/captions"]
@@ -208,14 +213,15 @@ def test_retrieval_equals_clip_benchmarks(setup, ours, torch_model):
     assert any(0 < v < 1 for v in theirs.values())
 
 
-def test_multilabel_map_equals_clip_benchmarks(setup, ours, torch_model):
+def test_multilabel_map_equals_clip_benchmarks(setup, ours, exported):
     from clip_benchmark.metrics.zeroshot_classification import (
         average_precision_per_class,
         run_classification,
         zero_shot_classifier,
     )
 
-    dataset = _benchmark_dataset(setup["collection"] / "tags", "tags", "zeroshot_classification")
+    torch_model, transform = exported
+    dataset = _benchmark_dataset(setup["collection"] / "tags", "tags", "zeroshot_classification", transform)
     classifier = zero_shot_classifier(torch_model, open_clip.tokenize, dataset.classes, dataset.templates, "cpu",
                                       amp=False)
     logits, target = run_classification(torch_model, classifier, _loader(dataset), "cpu", amp=False)

@@ -1,0 +1,185 @@
+"""Weights a model starts from, whatever holds them: `load_pretrained(path, model)`.
+
+`path` may be
+- an OpenCLIP checkpoint file (`.pt`/`.pth`/`.bin`, `.safetensors`, `.npz`), converted on the fly;
+- a clip_jax params file (`.npz` written by `clip_jax.convert`);
+- an exported model folder (`open_clip_config.json` + `open_clip_model.safetensors`, what `python -m clip_jax.export`
+  writes and OpenCLIP loads as `local-dir:PATH`);
+- a clip_jax run directory (its newest checkpoint), its `checkpoints` folder, or one `checkpoints/STEP` folder.
+
+The weights are fitted to the model as OpenCLIP fits a checkpoint on load: a vision positional embedding made for
+another image size is resized (bicubic, antialiased, class token kept), and a model with a `logit_bias` that the
+checkpoint lacks gets it as 0. Anything else that differs is refused, naming the keys and shapes.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+
+from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config
+
+EXPORT_CONFIG = "open_clip_config.json"
+EXPORT_WEIGHTS = "open_clip_model.safetensors"
+# Weight files an OpenCLIP model folder may hold, in the order OpenCLIP prefers them (its published folders use
+# the open_clip_pytorch_model.* names).
+_FOLDER_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
+                   "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin", "pytorch_model.pth",
+                   "model.pth")
+RUN_CONFIG = "config.json"  # the training config the trainer writes into its run directory
+
+
+def resize_positional_embedding(positional_embedding: np.ndarray, grid_size: int) -> np.ndarray:
+    """[1 + g*g, W] -> [1 + grid_size**2, W]: the patch grid resized bicubically with antialiasing (half-pixel
+    centres), the class token's row kept as it is, as OpenCLIP resizes a checkpoint's grid on load."""
+    import jax
+    import jax.numpy as jnp
+
+    positional_embedding = np.asarray(positional_embedding)
+    tokens, width = positional_embedding.shape
+    old = int(round(math.sqrt(tokens - 1)))
+    if old * old != tokens - 1:
+        raise InvalidInput(f"positional embedding of {tokens} tokens is not a class token plus a square grid")
+    grid = positional_embedding[1:].reshape(old, old, width).astype(np.float32)
+    resized = jax.image.resize(jnp.asarray(grid), (grid_size, grid_size, width), method="bicubic", antialias=True)
+    resized = np.asarray(resized, np.float32).reshape(grid_size * grid_size, width)
+    return np.concatenate([positional_embedding[:1].astype(np.float32), resized]).astype(positional_embedding.dtype)
+
+
+def _fit(positional_embedding, logit_bias_missing: bool, config: CLIPConfig):
+    """The (positional embedding, logit_bias to add or None) that fit `config`."""
+    pos = positional_embedding
+    if pos is not None and np.ndim(pos) == 2 and np.shape(pos)[0] != config.vision.num_tokens:
+        pos = resize_positional_embedding(pos, config.vision.grid_size)
+    bias = np.zeros((), np.float32) if logit_bias_missing and config.init_logit_bias is not None else None
+    return pos, bias
+
+
+def _fitted_state_dict(state_dict: dict, config: CLIPConfig) -> dict:
+    from clip_jax.convert import _strip_prefix
+
+    state_dict = _strip_prefix(state_dict)
+    pos, bias = _fit(state_dict.get("visual.positional_embedding"), "logit_bias" not in state_dict, config)
+    if pos is not None:
+        state_dict["visual.positional_embedding"] = pos
+    if bias is not None:
+        state_dict["logit_bias"] = bias
+    return state_dict
+
+
+def _fitted_tree(params: dict, config: CLIPConfig) -> dict:
+    params = dict(params)
+    visual = dict(params.get("visual", {}))
+    pos, bias = _fit(visual.get("positional_embedding"), "logit_bias" not in params, config)
+    if pos is not None:
+        params["visual"] = {**visual, "positional_embedding": pos}
+    if bias is not None:
+        params["logit_bias"] = bias
+    return params
+
+
+def is_export_folder(path: str) -> bool:
+    """A folder holding an OpenCLIP model (its config or one of its weight files) rather than a clip_jax run."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name))
+                                       for name in (EXPORT_CONFIG,) + _FOLDER_WEIGHTS)
+
+
+def read_export_config(folder: str) -> tuple[dict, dict]:
+    """(model_cfg, preprocess_cfg) of an exported model folder, as OpenCLIP reads its `open_clip_config.json`."""
+    path = os.path.join(folder, EXPORT_CONFIG)
+    if not os.path.isfile(path):
+        raise MissingInput(f"{path} is missing: an exported model folder holds {EXPORT_CONFIG} (the model and its "
+                           f"preprocessing) beside {EXPORT_WEIGHTS}; write both with python -m clip_jax.export")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model_cfg"), dict):
+        raise InvalidInput(f"{path} has no 'model_cfg' object (OpenCLIP's format: model_cfg and preprocess_cfg)")
+    preprocess = saved.get("preprocess_cfg", {})
+    if not isinstance(preprocess, dict):
+        raise InvalidInput(f"{path}: preprocess_cfg must be an object")
+    return saved["model_cfg"], preprocess
+
+
+def export_model_config(folder: str) -> CLIPConfig:
+    """The model an exported folder holds."""
+    model_cfg, _ = read_export_config(folder)
+    return config_from_open_clip(model_cfg, name=os.path.basename(os.path.normpath(folder)))
+
+
+def export_weights_file(folder: str) -> str:
+    for name in _FOLDER_WEIGHTS:
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise MissingInput(f"no model weights in {folder}: expected {EXPORT_WEIGHTS} (or one of "
+                       f"{', '.join(_FOLDER_WEIGHTS[1:])})")
+
+
+def run_directory(path: str) -> str | None:
+    """The run directory a run path names (the run, its `checkpoints`, or `checkpoints/STEP`), or None."""
+    path = os.path.abspath(path)
+    for candidate in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        if os.path.isfile(os.path.join(candidate, RUN_CONFIG)) and os.path.isdir(os.path.join(candidate,
+                                                                                              "checkpoints")):
+            return candidate
+    return None
+
+
+def read_run_config(path: str):
+    """The training config (a ConfigDict) of the run `path` names (see `run_directory`)."""
+    import ml_collections
+
+    run_dir = run_directory(path)
+    if run_dir is None:
+        raise MissingInput(f"{path} is not in a clip_jax run directory (no {RUN_CONFIG} beside checkpoints/)")
+    config_path = os.path.join(run_dir, RUN_CONFIG)
+    try:
+        with open(config_path) as f:
+            return ml_collections.ConfigDict(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{config_path} is not valid JSON: {e}") from None
+
+
+def load_pretrained(path: str, name_or_config) -> dict:
+    """Host params (numpy, float32) of the model `name_or_config` from `path` (see the module docstring)."""
+    from clip_jax.convert import _is_clip_jax, from_open_clip, load_params, read_arrays
+
+    config = get_model_config(name_or_config)
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise MissingInput(f"pretrained weights {path} do not exist")
+    if os.path.isdir(path) and is_export_folder(path):
+        read_export_config(path)  # an exported folder is whole: its config says how to preprocess
+        weights = export_weights_file(path)
+    elif os.path.isdir(path):
+        from clip_jax.checkpoint import CheckpointNotFoundError, read_params
+
+        try:
+            params = read_params(path)
+        except CheckpointNotFoundError as e:
+            raise MissingInput(f"{path} is neither an exported model folder (no {EXPORT_CONFIG}) nor a clip_jax run "
+                               f"with a checkpoint ({e})") from None
+        return _checked_tree(_fitted_tree(params, config), config, path)
+    else:
+        weights = path
+    arrays = read_arrays(weights)
+    if _is_clip_jax(arrays):
+        return _checked_tree(_fitted_tree(load_params(weights), config), config, weights)
+    try:
+        return from_open_clip(_fitted_state_dict(arrays, config), config)
+    except InvalidInput as e:
+        raise InvalidInput(f"pretrained weights {weights}: {e}") from None
+
+
+def _checked_tree(params: dict, config: CLIPConfig, where: str) -> dict:
+    from clip_jax.convert import to_open_clip
+
+    try:
+        to_open_clip(params, config)  # refuses, naming the keys and shapes, params of another model
+    except InvalidInput as e:
+        raise InvalidInput(f"pretrained weights {where}: {e}") from None
+    return params
