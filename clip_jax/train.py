@@ -36,7 +36,7 @@ from clip_jax.parallel import make_global_batch
 from clip_jax.preemption import StopSignal
 from clip_jax.run_setup import plan_run_start
 from clip_jax.stability import InstabilityMonitor
-from clip_jax.step_factory import StepSpec, build_step, mesh_for
+from clip_jax.step_factory import StepSpec, build_step, mesh_for, model_at_image_size
 from clip_jax.step_reads import StepReads
 
 log = logging.getLogger("clip_jax.train")
@@ -390,7 +390,7 @@ class Trainer:
             dataset = dataset.head(c.zeroshot_samples)
         # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
         batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
-        return ZeroShotEvaluator(create_model(self.engine.spec.model), dataset, self.mesh, batch_size=batch,
+        return ZeroShotEvaluator(create_model(model_at_image_size(c)), dataset, self.mesh, batch_size=batch,
                                  mean=tuple(c.image_mean), std=tuple(c.image_std))
 
     def zeroshot(self) -> dict:
