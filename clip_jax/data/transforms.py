@@ -25,15 +25,28 @@ class ImageDecodeError(ValueError):
     """Bytes that do not decode to an image."""
 
 
-def decode_rgb(data: bytes) -> Image.Image:
-    """Decodes JPEG/PNG/WebP bytes to an RGB image (greyscale, palette, alpha and CMYK are converted)."""
+class TooManyPixels(ImageDecodeError):
+    """An image whose header declares more pixels than allowed (a decompression bomb, or just too large)."""
+
+
+def decode_rgb(data: bytes, max_pixels: int | None = None) -> Image.Image:
+    """Decodes JPEG/PNG/WebP bytes to an RGB image (greyscale, palette, alpha and CMYK are converted).
+
+    ``max_pixels``: refuse (TooManyPixels) an image whose header declares more pixels, before decoding it.
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # palette transparency, EXIF and size warnings
             image = Image.open(io.BytesIO(data))
+            if max_pixels is not None and image.width * image.height > max_pixels:
+                raise TooManyPixels(f"{image.width}x{image.height} is more than {max_pixels:,} pixels")
             image.load()
             if image.mode != "RGB":
                 image = image.convert("RGB")
+    except TooManyPixels:
+        raise
+    except Image.DecompressionBombError as e:  # Pillow's own limit (twice Image.MAX_IMAGE_PIXELS)
+        raise TooManyPixels(str(e)) from e
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds (OSError, SyntaxError, ValueError, ...)
         raise ImageDecodeError(f"{type(e).__name__}: {e}") from e
     if image.width == 0 or image.height == 0:
