@@ -297,3 +297,29 @@ def test_the_filter_comes_from_the_run_config():
     assert cfg.sample_filter == filters.SampleFilter(EXPRESSION, 64, 5)
     assert cfg.sample_format.sample_filter is cfg.sample_filter
     assert len(cfg.sample_filter.rules) == 3
+
+
+# -- through the trainer -------------------------------------------------------------------------------------------
+
+
+def _metrics(run_dir):
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_filtered_run_logs_its_drops_per_rule(tmp_path, trainer_model_file):
+    from clip_jax import train as train_lib
+    from clip_jax.data import make_shards
+    from trainer_run import tiny_config
+
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=256), str(tmp_path / "s"), 128)
+    config = tiny_config((make_shards.shard_pattern(paths), trainer_model_file), tmp_path, train_num_samples=128,
+                         save_every_steps=0, train_data_filter="sha256 >= '4' and width == 28",
+                         train_data_min_caption_chars=3, warmup=1)
+    train_lib.train(config)
+    records = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+    last = records[-1]
+    # a quarter of the hex digests start with 0-3; captions and sizes all pass
+    assert last["filtered_samples"] == last["filtered/sha256_4"] > 0
+    assert "skipped_samples" in last and not last["skipped_samples"]
+
