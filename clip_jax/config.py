@@ -49,6 +49,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.csv_img_key = "filepath"
     c.csv_caption_key = "title"
     c.csv_separator = "\t"
+    # OpenCLIP's --aug-cfg without timm: crop scale, colour jitter (brightness, contrast, saturation, hue) applied
+    # with color_jitter_prob, greyscale with gray_scale_prob; timm's keys (use_timm, re_prob, ratio, ...) are refused
+    c.aug_cfg = ml_collections.ConfigDict(
+        {"scale": (0.9, 1.0), "color_jitter": (0.0, 0.0, 0.0, 0.0), "color_jitter_prob": 0.0, "gray_scale_prob": 0.0})
 
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64
@@ -185,9 +189,10 @@ def data_problems(c: ml_collections.ConfigDict) -> list[str]:
         problems.append("train_data_caption_key is empty: give an extension ('txt') or 'json:FIELD'")
     if c.dataset_type == "csv" and not c.csv_separator:
         problems.append("csv_separator is empty")
-    if "aug_cfg" in c:
-        problems.append("aug_cfg (OpenCLIP's train augmentation options) is not supported: the train transform is "
-                        "OpenCLIP's default, RandomResizedCrop scale (0.9, 1.0), bicubic; remove aug_cfg")
+    try:
+        pipeline.augment_from_config(c.aug_cfg)
+    except UserError as e:
+        problems.append(str(e))
     if c.dataset_type == "synthetic" and not c.train_num_samples:
         problems.append("dataset_type='synthetic' needs train_num_samples (samples per virtual epoch)")
     return problems

@@ -280,14 +280,6 @@ def test_check_config_validates_the_data_fields(overrides, message):
         check_config(c, num_devices=1)
 
 
-def test_check_config_refuses_openclip_aug_cfg():
-    c = default_config()
-    c.train_data = "/data/{0..1}.tar"
-    c.aug_cfg = {"scale": (0.5, 1.0)}
-    with pytest.raises(ValueError, match="aug_cfg .* is not supported"):
-        check_config(c, num_devices=1)
-
-
 def test_the_filter_comes_from_the_run_config():
     c = default_config()
     c.train_data = "/data/{0..1}.tar"

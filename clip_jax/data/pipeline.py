@@ -52,6 +52,7 @@ class TrainDataConfig:
     csv_img_key: str = "filepath"
     csv_caption_key: str = "title"
     csv_separator: str = "\t"
+    augment: transforms.TrainAugment = transforms.TrainAugment()  # OpenCLIP's aug_cfg (without timm)
 
     def __post_init__(self):
         if self.dataset_type not in DATASET_TYPES:
@@ -77,10 +78,30 @@ class TrainDataConfig:
             sample_filter=filters.SampleFilter.from_run_config(config), image_keys=config.train_data_image_key,
             caption_key=config.train_data_caption_key, max_image_pixels=config.max_image_pixels or None,
             csv_img_key=config.csv_img_key, csv_caption_key=config.csv_caption_key,
-            csv_separator=config.csv_separator)
+            csv_separator=config.csv_separator, augment=augment_from_config(config.aug_cfg))
 
 
 DATASET_TYPES = ("webdataset", "csv", "synthetic")
+AUG_CFG_KEYS = ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob")  # OpenCLIP's, without timm
+
+
+def augment_from_config(aug_cfg: Mapping[str, Any]) -> transforms.TrainAugment:
+    """OpenCLIP's ``aug_cfg`` as a :class:`~clip_jax.data.transforms.TrainAugment`; the keys OpenCLIP applies only
+    through timm (``use_timm``, ``ratio``, ``re_prob``, ``interpolation``, ...) are refused by name."""
+    unknown = sorted(set(aug_cfg) - set(AUG_CFG_KEYS))
+    if unknown:
+        raise InvalidInput(
+            f"aug_cfg {', '.join(unknown)}: not supported; OpenCLIP applies these only with use_timm (timm's "
+            f"transform), which clip_jax does not implement. Supported: {', '.join(AUG_CFG_KEYS)}")
+    jitter = tuple(float(v) for v in aug_cfg.get("color_jitter") or ())
+    jitter = jitter if any(jitter) else None  # all zero (the config's default): no jitter
+    try:
+        return transforms.TrainAugment(
+            scale=tuple(float(v) for v in aug_cfg.get("scale", transforms.TRAIN_SCALE)), color_jitter=jitter,
+            color_jitter_prob=float(aug_cfg.get("color_jitter_prob") or 0.0),
+            gray_scale_prob=float(aug_cfg.get("gray_scale_prob") or 0.0))
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None
 Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train_shards gives, by dataset type
 
 
@@ -108,9 +129,10 @@ class DecodedDataset(grain.IterDataset):
 
     def __init__(self, parent: grain.IterDataset, *, image_size: int, train: bool, seed: int = 0,
                  scale: Sequence[float] = transforms.TRAIN_SCALE, ratio: Sequence[float] = transforms.TRAIN_RATIO,
-                 max_pixels: int | None = None):
+                 max_pixels: int | None = None, augment: transforms.TrainAugment | None = None):
         super().__init__(parent)
         self.image_size, self.train, self.seed, self.max_pixels = image_size, train, seed, max_pixels
+        self.augment = augment if augment is not None and not augment.plain else None
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
     def __iter__(self) -> "DecodedIterator":
@@ -142,7 +164,10 @@ class DecodedIterator(grain.DatasetIterator):
             if ds.train:
                 rng = np.random.Generator(np.random.Philox(key=[ds.seed % 2**64, sample.stream],
                                                            counter=[0, 0, sample.number, 2]))
-                pixels = transforms.train_crop(image, ds.image_size, rng, ds.scale, ds.ratio)
+                if ds.augment is not None:
+                    pixels = transforms.train_augment(image, ds.image_size, rng, ds.augment, ds.ratio)
+                else:
+                    pixels = transforms.train_crop(image, ds.image_size, rng, ds.scale, ds.ratio)
             else:
                 pixels = transforms.eval_crop(image, ds.image_size)
             return {"image": pixels, "caption": sample.caption}
@@ -237,7 +262,8 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
                            mean: Sequence[float], std: Sequence[float], context_length: int,
                            tokenize: Tokenizer) -> grain.IterDataset:
     """Raw samples -> decoded, augmented, batched (in worker processes when ``cfg.workers`` > 0)."""
-    ds = DecodedDataset(ds, image_size=image_size, train=True, seed=cfg.seed, max_pixels=cfg.max_image_pixels)
+    ds = DecodedDataset(ds, image_size=image_size, train=True, seed=cfg.seed, max_pixels=cfg.max_image_pixels,
+                        scale=cfg.augment.scale, augment=cfg.augment)
     ds = ds.batch(batch_size, drop_remainder=True,
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:
