@@ -282,7 +282,10 @@ def parse_rules(expression: str) -> tuple[Rule, ...]:
     if not expression.strip():
         return ()
     parser = _Parser(expression)
-    term = parser.or_expr()
+    try:
+        term = parser.or_expr()
+    except RecursionError:
+        raise _syntax_error(expression, 0, "nested too deeply") from None
     token = parser.peek()
     if token.kind != "end":
         raise parser.error(token, "expected 'and', 'or' or the end")
