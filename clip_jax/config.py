@@ -49,10 +49,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.csv_img_key = "filepath"
     c.csv_caption_key = "title"
     c.csv_separator = "\t"
-    # OpenCLIP's --aug-cfg without timm: crop scale, colour jitter (brightness, contrast, saturation, hue) applied
-    # with color_jitter_prob, greyscale with gray_scale_prob; timm's keys (use_timm, re_prob, ratio, ...) are refused
+    # OpenCLIP's --aug-cfg. Without use_timm: crop scale, colour jitter (brightness, contrast, saturation, hue)
+    # applied with color_jitter_prob, greyscale with gray_scale_prob. With use_timm: scale, ratio (the crop's aspect
+    # range), re_prob / re_count (random erasing). 0 / all zeros: unset
     c.aug_cfg = ml_collections.ConfigDict(
-        {"scale": (0.9, 1.0), "color_jitter": (0.0, 0.0, 0.0, 0.0), "color_jitter_prob": 0.0, "gray_scale_prob": 0.0})
+        {"scale": (0.9, 1.0), "color_jitter": (0.0, 0.0, 0.0, 0.0), "color_jitter_prob": 0.0, "gray_scale_prob": 0.0,
+         "use_timm": False, "ratio": (0.0, 0.0), "re_prob": 0.0, "re_count": 0})
 
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64

@@ -142,8 +142,10 @@ def test_the_pipeline_applies_aug_cfg_from_the_run_config(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"re_prob": 0.25}, "aug_cfg re_prob: not supported; OpenCLIP applies these only with use_timm"),
-    ({"use_timm": True}, "aug_cfg use_timm: not supported"),
+    ({"re_prob": 0.25}, "aug_cfg re_prob: not supported without use_timm"),
+    ({"use_timm": True, "gray_scale_prob": 0.5}, "aug_cfg gray_scale_prob: not supported with use_timm"),
+    ({"auto_augment": "rand-m9"}, "aug_cfg auto_augment: not supported"),
+    ({"use_timm": True, "re_prob": 0.5, "re_count": -1}, "re_count=-1 >= 1"),
     ({"color_jitter_prob": 0.8}, "color_jitter_prob needs color_jitter"),
     ({"gray_scale_prob": 1.5}, "gray_scale_prob=1.5 must be in"),
     ({"scale": (0.0, 1.0)}, "scale"),
@@ -156,3 +158,105 @@ def test_bad_aug_cfg_is_refused_before_compiling(change, message):
     c.aug_cfg.update(change)
     with pytest.raises(ValueError, match=message):
         check_config(c, num_devices=1)
+
+
+# -- timm's transform (use_timm): crop with ratio, random erasing ---------------------------------------------------
+
+
+class _Recorder:
+    """A numpy Generator that notes every draw, so that timm's transform can be handed the same values."""
+
+    def __init__(self, rng):
+        self.rng, self.draws = rng, []
+
+    def random(self):
+        self.draws.append(("random", self.rng.random()))
+        return self.draws[-1][1]
+
+    def uniform(self, low, high):
+        self.draws.append(("uniform", self.rng.uniform(low, high)))
+        return self.draws[-1][1]
+
+    def integers(self, low, high):
+        self.draws.append(("randint", int(self.rng.integers(low, high))))
+        return self.draws[-1][1]
+
+    def standard_normal(self, shape, dtype):
+        self.draws.append(("normal", self.rng.standard_normal(shape, dtype=dtype)))
+        return self.draws[-1][1]
+
+
+class _Replay:
+    """Stands in for the random module timm's RandomErasing calls, replaying recorded draws of the same kind."""
+
+    def __init__(self, draws):
+        self.draws = list(draws)
+
+    def _next(self, kind):
+        got, value = self.draws.pop(0)
+        assert got == kind, (got, kind)
+        return value
+
+    def random(self):
+        return self._next("random")
+
+    def uniform(self, low, high):
+        return self._next("uniform")
+
+    def randint(self, low, high):
+        return self._next("randint")
+
+    def pixels(self, per_pixel, rand_color, patch_size, dtype=torch.float32, device="cpu"):
+        assert per_pixel and tuple(patch_size) == self.draws[0][1].shape
+        return torch.from_numpy(self._next("normal"))
+
+
+@pytest.mark.parametrize("aug", [
+    dict(use_timm=True, scale=(0.4, 1.0), ratio=(0.5, 2.0), re_prob=0.7),
+    dict(use_timm=True, scale=(0.9, 1.0), re_prob=1.0, re_count=3),
+])
+def test_timm_path_equals_open_clips_timm_transform_given_the_same_draws(aug, monkeypatch):
+    import timm.data.random_erasing
+    import timm.data.transforms
+
+    reference = open_clip.image_transform(24, is_train=True, mean=MEAN, std=STD, aug_cfg=aug)
+    augment = pipeline.augment_from_config(aug)
+    erased = 0
+    for seed in range(16):
+        image = _photo(seed, size=(40 + seed * 5, 60 - seed * 2))
+        rng = np.random.default_rng(seed)
+        pixels = transforms.train_augment(image, 24, rng, augment)
+        recorder = _Recorder(rng)
+        regions = transforms.random_erasing(recorder, 24, augment.re_prob, augment.re_count)
+        ours = transforms.normalize(pixels, MEAN, STD)
+        transforms.apply_erasing(ours, regions)
+        erased += bool(regions)
+        left, top, right, bottom = transforms.random_resized_crop_box(
+            image.width, image.height, np.random.default_rng(seed), augment.scale, augment.ratio)
+        monkeypatch.setattr(timm.data.transforms.RandomResizedCropAndInterpolation, "get_params",
+                            staticmethod(lambda img, scale, ratio: (top, left, bottom - top, right - left)))
+        replay = _Replay(recorder.draws)
+        monkeypatch.setattr(timm.data.random_erasing, "random", replay)
+        monkeypatch.setattr(timm.data.random_erasing, "_get_pixels", replay.pixels)
+        theirs = reference(image).numpy().transpose(1, 2, 0)
+        np.testing.assert_array_equal(ours, theirs)
+        assert not replay.draws
+    assert erased >= 4
+
+
+def test_the_pipeline_erases_after_normalising(tmp_path):
+    import webdataset as wds
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 20), (255, 255, 255)).save(buffer, "PNG")
+    with wds.TarWriter(str(tmp_path / "00000.tar"), encoder=False) as sink:
+        for i in range(8):
+            sink.write({"__key__": f"{i:09d}", "png": buffer.getvalue(), "txt": b"white"})
+    c = default_config()
+    c.train_data, c.workers = str(tmp_path / "00000.tar"), 0
+    c.aug_cfg.use_timm, c.aug_cfg.re_prob = True, 1.0
+    cfg = data.TrainDataConfig.from_run_config(c)
+    images = next(data.build_train_iterator(cfg, global_batch_size=8, image_size=16, mean=(0.5,) * 3,
+                                            std=(0.5,) * 3))["images"]
+    noisy = images != 1.0  # white normalises to 1; erased pixels are normal noise
+    assert noisy.any(axis=(1, 2, 3)).all() and noisy.mean() < 0.5

@@ -83,25 +83,43 @@ class TrainDataConfig:
 
 DATASET_TYPES = ("webdataset", "csv", "synthetic")
 AUG_CFG_KEYS = ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob")  # OpenCLIP's, without timm
+AUG_CFG_TIMM_KEYS = ("use_timm", "scale", "ratio", "re_prob", "re_count")  # with use_timm: timm's transform
 
 
 def augment_from_config(aug_cfg: Mapping[str, Any]) -> transforms.TrainAugment:
-    """OpenCLIP's ``aug_cfg`` as a :class:`~clip_jax.data.transforms.TrainAugment`; the keys OpenCLIP applies only
-    through timm (``use_timm``, ``ratio``, ``re_prob``, ``interpolation``, ...) are refused by name."""
-    unknown = sorted(set(aug_cfg) - set(AUG_CFG_KEYS))
+    """OpenCLIP's ``aug_cfg`` as a :class:`~clip_jax.data.transforms.TrainAugment`.
+
+    Without ``use_timm``: ``scale``, ``color_jitter`` (4 values) with ``color_jitter_prob``, ``gray_scale_prob``.
+    With ``use_timm`` (timm's transform, as OpenCLIP builds it: no flip, no jitter, bicubic): ``scale``, ``ratio``,
+    ``re_prob``, ``re_count``. A key OpenCLIP would not apply in that mode, or one not implemented here (timm's colour
+    jitter), is refused by name. Zero / empty values are the defaults, as an unset key in OpenCLIP.
+    """
+    use_timm = bool(aug_cfg.get("use_timm", False))
+    allowed = AUG_CFG_TIMM_KEYS if use_timm else AUG_CFG_KEYS + ("use_timm",)
+    given = {k for k, v in aug_cfg.items() if k in ("scale", "use_timm") or (v is not None and _set(v))}
+    unknown = sorted(given - set(allowed))
     if unknown:
-        raise InvalidInput(
-            f"aug_cfg {', '.join(unknown)}: not supported; OpenCLIP applies these only with use_timm (timm's "
-            f"transform), which clip_jax does not implement. Supported: {', '.join(AUG_CFG_KEYS)}")
+        mode = "with use_timm" if use_timm else "without use_timm"
+        raise InvalidInput(f"aug_cfg {', '.join(unknown)}: not supported {mode}; supported: {', '.join(allowed)}")
     jitter = tuple(float(v) for v in aug_cfg.get("color_jitter") or ())
-    jitter = jitter if any(jitter) else None  # all zero (the config's default): no jitter
+    ratio = tuple(float(v) for v in aug_cfg.get("ratio") or ())
+    ratio = ratio if any(ratio) else transforms.TRAIN_RATIO
     try:
         return transforms.TrainAugment(
-            scale=tuple(float(v) for v in aug_cfg.get("scale", transforms.TRAIN_SCALE)), color_jitter=jitter,
+            scale=tuple(float(v) for v in aug_cfg.get("scale", transforms.TRAIN_SCALE)),
+            color_jitter=jitter if any(jitter) else None,
             color_jitter_prob=float(aug_cfg.get("color_jitter_prob") or 0.0),
-            gray_scale_prob=float(aug_cfg.get("gray_scale_prob") or 0.0))
-    except ValueError as e:
+            gray_scale_prob=float(aug_cfg.get("gray_scale_prob") or 0.0),
+            ratio=ratio, re_prob=float(aug_cfg.get("re_prob") or 0.0), re_count=int(aug_cfg.get("re_count") or 1))
+    except (TypeError, ValueError) as e:
         raise InvalidInput(str(e)) from None
+
+
+def _set(value: Any) -> bool:
+    """A value that asks for something (not 0, False, empty, or all zeros)."""
+    if isinstance(value, (tuple, list)):
+        return any(_set(v) for v in value)
+    return bool(value)
 Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train_shards gives, by dataset type
 
 
@@ -165,7 +183,10 @@ class DecodedIterator(grain.DatasetIterator):
                 rng = np.random.Generator(np.random.Philox(key=[ds.seed % 2**64, sample.stream],
                                                            counter=[0, 0, sample.number, 2]))
                 if ds.augment is not None:
-                    pixels = transforms.train_augment(image, ds.image_size, rng, ds.augment, ds.ratio)
+                    pixels = transforms.train_augment(image, ds.image_size, rng, ds.augment)
+                    erase = transforms.random_erasing(rng, ds.image_size, ds.augment.re_prob, ds.augment.re_count)
+                    if erase:
+                        return {"image": pixels, "caption": sample.caption, "erase": erase}
                 else:
                     pixels = transforms.train_crop(image, ds.image_size, rng, ds.scale, ds.ratio)
             else:
@@ -205,7 +226,11 @@ class Collate:
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
         images = np.stack([s["image"] for s in samples])  # [B, S, S, 3] uint8
         tokens = self.tokenize([s["caption"] for s in samples], context_length=self.context_length)
-        return {"images": transforms.normalize(images, self.mean, self.std), "tokens": np.asarray(tokens, np.int32)}
+        images = transforms.normalize(images, self.mean, self.std)
+        for image, sample in zip(images, samples):
+            if "erase" in sample:  # timm's random erasing acts on the normalised image
+                transforms.apply_erasing(image, sample["erase"])
+        return {"images": images, "tokens": np.asarray(tokens, np.int32)}
 
 
 def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
@@ -263,7 +288,7 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
                            tokenize: Tokenizer) -> grain.IterDataset:
     """Raw samples -> decoded, augmented, batched (in worker processes when ``cfg.workers`` > 0)."""
     ds = DecodedDataset(ds, image_size=image_size, train=True, seed=cfg.seed, max_pixels=cfg.max_image_pixels,
-                        scale=cfg.augment.scale, augment=cfg.augment)
+                        scale=cfg.augment.scale, ratio=cfg.augment.ratio, augment=cfg.augment)
     ds = ds.batch(batch_size, drop_remainder=True,
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:

@@ -8,6 +8,9 @@ OpenCLIP's ``aug_cfg`` (its transform without timm) adds, after the crop: a colo
 ``color_jitter_prob`` (brightness, contrast, saturation, hue in a random order, as torchvision's ``ColorJitter``), then
 greyscale with probability ``gray_scale_prob`` (:class:`TrainAugment`, :func:`train_augment`). The random draws come
 from the per-sample generator after the crop's, in a fixed order: jitter coin, jitter order and factors, grey coin.
+With ``use_timm`` (OpenCLIP's timm transform) the crop takes ``ratio`` too and, after normalisation, timm's random
+erasing (``re_prob``, up to ``re_count`` regions, per-pixel normal noise) may overwrite rectangles
+(:func:`random_erasing`, :func:`apply_erasing`; the collate step applies them after normalising).
 """
 
 from __future__ import annotations
@@ -118,11 +121,18 @@ class TrainAugment:
     color_jitter: tuple[float, float, float, float] | None = None
     color_jitter_prob: float = 0.0
     gray_scale_prob: float = 0.0
+    ratio: tuple[float, float] = TRAIN_RATIO  # the crop's aspect ratio range (timm's transform only)
+    re_prob: float = 0.0  # random erasing probability (timm's transform only)
+    re_count: int = 1  # at most this many erased regions
 
     def __post_init__(self):
         lo, hi = self.scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"aug_cfg scale {self.scale}: need 0 < low <= high <= 1")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"aug_cfg ratio {self.ratio}: need 0 < low <= high")
+        if not 0 <= self.re_prob <= 1 or self.re_count < 1:
+            raise ValueError(f"aug_cfg re_prob={self.re_prob} must be in [0, 1] and re_count={self.re_count} >= 1")
         for name in ("color_jitter_prob", "gray_scale_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"aug_cfg {name}={getattr(self, name)} must be in [0, 1]")
@@ -136,7 +146,7 @@ class TrainAugment:
     @property
     def plain(self) -> bool:
         """Crop only: :func:`train_crop` gives the same pixels."""
-        return not self.color_jitter_prob and not self.gray_scale_prob
+        return not self.color_jitter_prob and not self.gray_scale_prob and not self.re_prob
 
 
 def color_jitter_params(rng: np.random.Generator, jitter: Sequence[float]) -> list[tuple[str, float]]:
@@ -176,10 +186,10 @@ def greyscale_rgb(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.repeat(luma[..., None], 3, axis=-1), "RGB")
 
 
-def train_augment(image: Image.Image, size: int, rng: np.random.Generator, aug: TrainAugment,
-                  ratio: Sequence[float] = TRAIN_RATIO) -> np.ndarray:
-    """Random resized crop (``aug.scale``), then OpenCLIP's colour jitter and greyscale. uint8 [size, size, 3]."""
-    box = random_resized_crop_box(image.width, image.height, rng, aug.scale, ratio)
+def train_augment(image: Image.Image, size: int, rng: np.random.Generator, aug: TrainAugment) -> np.ndarray:
+    """Random resized crop (``aug.scale``, ``aug.ratio``), then OpenCLIP's colour jitter and greyscale.
+    uint8 [size, size, 3]; random erasing is drawn next (:func:`random_erasing`) and applied after normalising."""
+    box = random_resized_crop_box(image.width, image.height, rng, aug.scale, aug.ratio)
     crop = image.crop(box)
     if crop.size != (size, size):
         crop = crop.resize((size, size), Image.Resampling.BICUBIC)
@@ -189,6 +199,42 @@ def train_augment(image: Image.Image, size: int, rng: np.random.Generator, aug: 
     if aug.gray_scale_prob and rng.random() < aug.gray_scale_prob:
         crop = greyscale_rgb(crop)
     return np.asarray(crop)
+
+
+ERASE_AREA = (0.02, 1 / 3)  # timm's RandomErasing defaults: area fraction and aspect ratio range of a region
+ERASE_LOG_ASPECT = (math.log(0.3), math.log(1 / 0.3))
+
+Erasure = tuple[int, int, np.ndarray]  # top, left, float32 [h, w, 3] noise that replaces the normalised pixels
+
+
+def random_erasing(rng: np.random.Generator, size: int, prob: float, max_count: int = 1) -> list[Erasure]:
+    """timm's RandomErasing in 'pixel' mode on a ``size`` x ``size`` image: with probability ``prob``, 1 to
+    ``max_count`` regions (each of area fraction in [0.02, 1/3] / count, log-uniform aspect in [0.3, 1/0.3], ten
+    tries to fit strictly inside) filled with standard normal noise, drawn channel-major as timm draws it."""
+    if not prob or rng.random() > prob:
+        return []
+    count = 1 if max_count == 1 else int(rng.integers(1, max_count + 1))
+    area = size * size
+    regions = []
+    for _ in range(count):
+        for _ in range(10):
+            target_area = rng.uniform(*ERASE_AREA) * area / count
+            aspect = math.exp(rng.uniform(*ERASE_LOG_ASPECT))
+            h = int(round(math.sqrt(target_area * aspect)))
+            w = int(round(math.sqrt(target_area / aspect)))
+            if w < size and h < size:
+                top = int(rng.integers(0, size - h + 1))
+                left = int(rng.integers(0, size - w + 1))
+                noise = rng.standard_normal((3, h, w), dtype=np.float32)
+                regions.append((top, left, np.ascontiguousarray(noise.transpose(1, 2, 0))))
+                break
+    return regions
+
+
+def apply_erasing(image: np.ndarray, regions: Sequence[Erasure]) -> None:
+    """Writes each region's noise into a normalised float image [S, S, 3], in place, in order."""
+    for top, left, noise in regions:
+        image[top:top + noise.shape[0], left:left + noise.shape[1]] = noise
 
 
 def resized_crop(image: Image.Image, box: tuple[int, int, int, int], size: int) -> np.ndarray:
