@@ -18,7 +18,9 @@ Training (one call per process)::
 
 Sample filters (``cfg.sample_filter``, :class:`clip_jax.data.filters.SampleFilter`) drop samples by their ``.json``
 metadata, image size or caption length; ``dataset_type="csv"`` reads OpenCLIP's csv/tsv tables and
-``dataset_type="synthetic"`` makes random batches (modules ``filters``, ``csv_source``, ``synthetic``).
+``dataset_type="synthetic"`` makes random batches (modules ``filters``, ``csv_source``, ``synthetic``;
+``parquet_filter`` applies a filter expression to LAION's parquet metadata). ``cfg.augment`` is OpenCLIP's
+``aug_cfg`` (``transforms.TrainAugment``).
 
 The iterator never ends: in resampled mode each worker draws shards with replacement; in epoch mode every shard is
 read once per epoch (split over processes and workers) and epochs follow each other. ``it.get_state()`` /
