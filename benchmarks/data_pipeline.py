@@ -7,7 +7,8 @@ samples per CPU-second is samples per core. Runs alternate to share the machine'
 
 ``clip_jax_filtered`` is clip_jax's pipeline with sample filters on (``FILTER``: four rules on each sample's .json,
 a minimum image size and caption length, chosen to keep every sample so both read the same images): the cost of
-filtering, measured against ``clip_jax`` in the same run.
+filtering, measured against ``clip_jax`` in the same run. ``synthetic`` is ``dataset_type="synthetic"`` (no reading,
+no decoding): the loader's floor.
 
     python benchmarks/data_pipeline.py                # prints a table, writes benchmarks/out/data_pipeline.json
     python benchmarks/data_pipeline.py --no-open-clip --repeats 5   # filters on vs off only
@@ -68,7 +69,7 @@ def time_batches(batches, num_batches: int) -> dict[str, float]:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     samples = num_batches * batch_size
     return {"samples": samples, "wall_s": wall, "cpu_s": cpu, "samples_per_s": samples / wall,
-            "samples_per_cpu_s": samples / cpu}
+            "samples_per_cpu_s": samples / max(cpu, 1e-9)}
 
 
 def clip_jax_batches(pattern: str, batch_size: int, sample_filter: filters.SampleFilter | None = None):
@@ -85,6 +86,13 @@ def clip_jax_batches(pattern: str, batch_size: int, sample_filter: filters.Sampl
 def clip_jax_filtered_batches(pattern: str, batch_size: int):
     sample_filter = filters.SampleFilter(FILTER, min_image_size=64, min_caption_chars=1)
     yield from clip_jax_batches(pattern, batch_size, sample_filter)
+
+
+def synthetic_batches(pattern: str, batch_size: int):
+    """``dataset_type="synthetic"``: what the loader costs when it reads nothing."""
+    del pattern
+    cfg = data.TrainDataConfig(shards="", dataset_type="synthetic", seed=0)
+    yield from data.build_train_iterator(cfg, global_batch_size=batch_size, image_size=224, mean=MEAN, std=STD)
 
 
 def open_clip_batches(pattern: str, batch_size: int):
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = make_shards.write_shards(photo_samples(args.samples), folder, samples_per_shard=500)
         pattern = make_shards.shard_pattern(paths)
         print(f"made {len(paths)} shards of 256 px JPEGs in {time.perf_counter() - start:.1f} s: {pattern}")
-        pipelines = {"clip_jax": clip_jax_batches, "clip_jax_filtered": clip_jax_filtered_batches}
+        pipelines = {"clip_jax": clip_jax_batches, "clip_jax_filtered": clip_jax_filtered_batches,
+                     "synthetic": synthetic_batches}
         if not args.no_open_clip:
             pipelines["open_clip"] = open_clip_batches
         runs = {name: [] for name in pipelines}
