@@ -87,6 +87,14 @@ def test_missing_null_and_wrong_type_fields_are_their_own_reasons():
     assert f.check(b"{not json", b"", "c") == filters.BAD_JSON
 
 
+def test_an_unknown_field_is_counted_and_warned_about_once(caplog):
+    f = filters.SampleFilter("pwatermrak < 0.8")  # a typo: no sample has it
+    with caplog.at_level("WARNING", logger="clip_jax.data.filters"):
+        reasons = [f.check_record({"pwatermark": 0.1}) for _ in range(5)]
+    assert reasons == ["filter: pwatermrak < 0.8 (missing pwatermrak)"] * 5
+    assert [r.getMessage().count("pwatermrak") for r in caplog.records] == [1]
+
+
 # -- shards with img2dataset-like metadata ---------------------------------------------------------------------
 
 
