@@ -52,7 +52,7 @@ class TrainDataConfig:
     csv_img_key: str = "filepath"
     csv_caption_key: str = "title"
     csv_separator: str = "\t"
-    augment: transforms.TrainAugment = transforms.TrainAugment()  # OpenCLIP's aug_cfg (without timm)
+    augment: transforms.TrainAugment = transforms.TrainAugment()  # OpenCLIP's aug_cfg (augment_from_config)
 
     def __post_init__(self):
         if self.dataset_type not in DATASET_TYPES:
@@ -120,6 +120,8 @@ def _set(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_set(v) for v in value)
     return bool(value)
+
+
 Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train_shards gives, by dataset type
 
 
