@@ -307,19 +307,29 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_a_filtered_run_logs_its_drops_per_rule(tmp_path, trainer_model_file):
+def test_a_filtered_run_logs_its_drops_per_rule_and_resumes_exactly(tmp_path, trainer_model_file):
+    import shutil
+
     from clip_jax import train as train_lib
     from clip_jax.data import make_shards
-    from trainer_run import tiny_config
+    from trainer_run import losses, tiny_config
 
-    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=256), str(tmp_path / "s"), 128)
-    config = tiny_config((make_shards.shard_pattern(paths), trainer_model_file), tmp_path, train_num_samples=128,
-                         save_every_steps=0, train_data_filter="sha256 >= '4' and width == 28",
-                         train_data_min_caption_chars=3, warmup=1)
-    train_lib.train(config)
-    records = [r for r in _metrics(tmp_path / "run") if "loss" in r]
-    last = records[-1]
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=512), str(tmp_path / "s"), 128)
+    config = tiny_config((make_shards.shard_pattern(paths), trainer_model_file), tmp_path, train_num_samples=256,
+                         save_every_steps=2, warmup=1, resume="latest", dataset_resampled=True, shuffle_window=16,
+                         train_data_filter="sha256 >= '4' and width == 28", train_data_min_caption_chars=3)
+    train_lib.train(config)  # 4 steps, checkpoints at 2 and 4
+    run_dir = tmp_path / "run"
+    first = {r["step"]: r for r in _metrics(run_dir) if "loss" in r}
     # a quarter of the hex digests start with 0-3; captions and sizes all pass
-    assert last["filtered_samples"] == last["filtered/sha256_4"] > 0
-    assert "skipped_samples" in last and not last["skipped_samples"]
+    assert first[4]["filtered_samples"] == first[4]["filtered/sha256_4"] >= first[2]["filtered_samples"] > 0
+    assert not first[4]["skipped_samples"]
 
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    (run_dir / "metrics.jsonl").unlink()
+    train_lib.train(config)  # resumes at step 2 with the filtered stream's state
+    again = {r["step"]: r for r in _metrics(run_dir) if "loss" in r}
+    assert sorted(again) == [3, 4]
+    np.testing.assert_allclose([again[s]["loss"] for s in (3, 4)], [first[s]["loss"] for s in (3, 4)], rtol=1e-5)
+    assert again[4]["filtered_samples"] == first[4]["filtered_samples"]
+    assert losses(run_dir)
