@@ -29,6 +29,7 @@ setup(
         "pillow>=12.0",
         "safetensors>=0.8",
         "fsspec>=2026.1.0",
+        "pyarrow>=14",  # LAION's parquet metadata: data.check --parquet, make_shards filter-parquet
     ],
     extras_require={
         # XLA:GPU: the planner compiles for GPUs without one (clip_jax.xla_gpu), and training runs on NVIDIA GPUs.

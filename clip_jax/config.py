@@ -38,6 +38,24 @@ def default_config() -> ml_collections.ConfigDict:
     # "fashion-mnist": write the shards train_data names from the bundled Fashion-MNIST training split when they
     # are missing, once however many processes start together (the demo); "": they must exist
     c.make_train_data = ""
+    # Data sources and sample filters (clip_jax/data/filters.py, csv_source.py, synthetic.py).
+    c.dataset_type = "webdataset"  # webdataset | csv (train_data: the csv/tsv file) | synthetic (random batches)
+    # keep samples whose .json metadata satisfy this, e.g. "punsafe < 0.5 and NSFW != 'NSFW'" ("": all)
+    c.train_data_filter = ""
+    c.train_data_min_image_size = 0  # drop images whose shorter side is below this many pixels (0: off)
+    c.train_data_min_caption_chars = 0  # drop captions shorter than this many characters (0: off)
+    c.train_data_image_key = "jpg;png;jpeg;webp"  # webdataset image extensions, in preference order
+    c.train_data_caption_key = "txt"  # webdataset caption: an extension, or "json:FIELD" (e.g. json:caption)
+    c.max_image_pixels = 0  # skip (and count) images declaring more pixels: a decompression bomb guard (0: off)
+    c.csv_img_key = "filepath"
+    c.csv_caption_key = "title"
+    c.csv_separator = "\t"
+    # OpenCLIP's --aug-cfg. Without use_timm: crop scale, colour jitter (brightness, contrast, saturation, hue)
+    # applied with color_jitter_prob, greyscale with gray_scale_prob. With use_timm: scale, ratio (the crop's aspect
+    # range), re_prob / re_count (random erasing). 0 / all zeros: unset
+    c.aug_cfg = ml_collections.ConfigDict(
+        {"scale": (0.9, 1.0), "color_jitter": (0.0, 0.0, 0.0, 0.0), "color_jitter_prob": 0.0, "gray_scale_prob": 0.0,
+         "use_timm": False, "ratio": (0.0, 0.0), "re_prob": 0.0, "re_count": 0})
 
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64
@@ -124,7 +142,7 @@ def default_config() -> ml_collections.ConfigDict:
 def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
     """Raises ValueError naming the field and what to do, for every mistake that can be seen before compiling."""
     problems = []
-    if not c.train_data:
+    if not c.train_data and c.dataset_type != "synthetic":
         problems.append("train_data is empty: give the shard pattern, e.g. "
                         "--config.train_data='/data/{00000..00099}.tar'")
     if c.precision not in PRECISIONS:
@@ -182,5 +200,38 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                 clip_benchmark.check_training_layout(c.zeroshot_data)
             except UserError as e:
                 problems.append(f"zeroshot_data={c.zeroshot_data!r}: {e}")
+    problems += data_problems(c)
     if problems:
         raise InvalidInput("bad config:\n  " + "\n  ".join(problems))
+
+
+def data_problems(c: ml_collections.ConfigDict) -> list[str]:
+    """The data fields' mistakes: dataset type, filter expression (parsed here, before anything compiles), keys."""
+    from clip_jax.data import filters, pipeline
+
+    problems = []
+    if c.dataset_type not in pipeline.DATASET_TYPES:
+        problems.append(f"dataset_type={c.dataset_type!r}: choose one of {pipeline.DATASET_TYPES}")
+    try:
+        rules = filters.parse_rules(c.train_data_filter)
+    except filters.FilterSyntaxError as e:
+        problems.append(f"train_data_filter: {e}")
+    else:
+        if rules and c.dataset_type != "webdataset":
+            problems.append("train_data_filter reads each sample's .json, which only webdataset shards have")
+    for field in ("train_data_min_image_size", "train_data_min_caption_chars", "max_image_pixels"):
+        if c[field] < 0:
+            problems.append(f"{field}={c[field]} must not be negative")
+    if not c.train_data_image_key.strip(" ;"):
+        problems.append("train_data_image_key is empty: give extensions such as 'jpg;png;webp'")
+    if not c.train_data_caption_key.strip() or c.train_data_caption_key.strip() == "json:":
+        problems.append("train_data_caption_key is empty: give an extension ('txt') or 'json:FIELD'")
+    if c.dataset_type == "csv" and not c.csv_separator:
+        problems.append("csv_separator is empty")
+    try:
+        pipeline.augment_from_config(c.aug_cfg)
+    except UserError as e:
+        problems.append(str(e))
+    if c.dataset_type == "synthetic" and not c.train_num_samples:
+        problems.append("dataset_type='synthetic' needs train_num_samples (samples per virtual epoch)")
+    return problems

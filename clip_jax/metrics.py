@@ -73,6 +73,8 @@ def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, 
     parts.append(f"data wait {100 * scalars['data_wait_fraction']:.0f}%")
     if scalars.get("skipped_samples"):
         parts.append(f"skipped {int(scalars['skipped_samples'])}")
+    if scalars.get("filtered_samples"):
+        parts.append(f"filtered {int(scalars['filtered_samples'])}")
     if scalars.get("skipped_updates"):
         parts.append(f"non-finite {int(scalars['skipped_updates'])}")
     parts.append(f"ETA {format_duration(scalars['eta_seconds'])}")

@@ -357,7 +357,7 @@ class Trainer:
             samples_per_sec_per_device=samples_per_sec / jax.device_count(),
             mfu=(samples_per_sec * self.flops_per_sample / (peak * jax.device_count())) if peak else None,
             data_wait_fraction=data_wait / max(elapsed, 1e-9),
-            skipped_samples=sum(self.data_iter.skipped_samples().values()),
+            **data.skip_scalars(self.data_iter.skipped_samples()),
             skipped_updates=self.skipped_updates,
             eta_seconds=remaining * elapsed / max(steps, 1),
             epoch=self.schedule.epoch(self.step),

@@ -13,7 +13,14 @@ Training (one call per process)::
                                    mean=(0.5,) * 3, std=(0.5,) * 3,
                                    process_index=jax.process_index(), process_count=jax.process_count())
     batch = next(it)  # {"images": float32 [B_proc, 224, 224, 3] normalised, "tokens": int32 [B_proc, 77]}
-    it.skipped_samples()  # {"corrupt_image": 3, "no_caption": 1, ...}, summed over workers, for metrics
+    it.skipped_samples()  # {"corrupt_image": 3, "filter: punsafe < 0.5": 9, ...}, summed over workers
+    data.skip_scalars(it.skipped_samples())  # {"skipped_samples": 3, "filtered_samples": 9, "filtered/...": 9}
+
+Sample filters (``cfg.sample_filter``, :class:`clip_jax.data.filters.SampleFilter`) drop samples by their ``.json``
+metadata, image size or caption length; ``dataset_type="csv"`` reads OpenCLIP's csv/tsv tables and
+``dataset_type="synthetic"`` makes random batches (modules ``filters``, ``csv_source``, ``synthetic``;
+``parquet_filter`` applies a filter expression to LAION's parquet metadata). ``cfg.augment`` is OpenCLIP's
+``aug_cfg`` (``transforms.TrainAugment``).
 
 The iterator never ends: in resampled mode each worker draws shards with replacement; in epoch mode every shard is
 read once per epoch (split over processes and workers) and epochs follow each other. ``it.get_state()`` /
@@ -42,6 +49,7 @@ from clip_jax.data.pipeline import (
     build_train_iterator,
     count_samples,
     resolve_train_shards,
+    skip_scalars,
     steps_per_epoch,
 )
 from clip_jax.data.shards import ShardList, ShardPatternError, expand_braces, resolve_shards
@@ -60,5 +68,6 @@ __all__ = [
     "expand_braces",
     "resolve_shards",
     "resolve_train_shards",
+    "skip_scalars",
     "steps_per_epoch",
 ]

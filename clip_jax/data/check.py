@@ -1,10 +1,16 @@
 """Validates webdataset shards before a long run: reads every sample, decodes every image, tokenizes every caption.
 
     python -m clip_jax.data.check "/data/laion2B-en/{00000..23295}.tar" --workers 16 --max-shards 200
+    python -m clip_jax.data.check "/data/{00000..00099}.tar" --filter "punsafe < 0.5 and similarity >= 0.28" \
+        --min-image-size 64 --min-caption-chars 5
+    python -m clip_jax.data.check --parquet laion/part-00000.parquet --filter "punsafe < 0.5 and pwatermark < 0.8"
 
 Prints samples, bad samples and shards by reason, image sizes, caption lengths (characters and tokens) and how many
-captions the tokenizer truncates. Exits with 1 when no good sample is found (or, with ``--strict``, when any sample
-or shard is bad).
+captions the tokenizer truncates. With a filter (the run config's ``train_data_filter``,
+``train_data_min_image_size``, ``train_data_min_caption_chars``) it also prints how many samples the run would drop,
+by the reason the pipeline counts (the first rule a sample fails), and what each rule alone would drop. With
+``--parquet`` it reads LAION's metadata files instead of shards and reports the filter's counts on their rows.
+Exits with 1 when no good sample is found (or, with ``--strict``, when any sample or shard is bad).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from clip_jax.data import filters, transforms, webdataset
 from clip_jax.data import shards as shards_lib
-from clip_jax.data import transforms, webdataset
 from clip_jax.errors import UserError
 
 SIDE_BINS = (0, 64, 128, 256, 512, 1024, 2048)  # histogram of the shorter image side
@@ -95,6 +101,7 @@ class Report:
     caption_chars: Distribution = dataclasses.field(default_factory=lambda: Distribution(4096))
     caption_tokens: Distribution = dataclasses.field(default_factory=lambda: Distribution(1024))  # text tokens kept
     bad_shards: list[str] = dataclasses.field(default_factory=list)
+    rules_alone: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # filter rule -> drops
 
     def merge(self, other: "Report") -> None:
         for field in dataclasses.fields(self):
@@ -114,14 +121,23 @@ def _image_info(data: bytes) -> tuple[int, int, bool] | None:
     return size[0], size[1], grey
 
 
-def check_shard(url: str, context_length: int = 77, decode: bool = True) -> Report:
-    """Reads one shard completely and reports on it."""
+def check_shard(url: str, context_length: int = 77, decode: bool = True,
+                fmt: webdataset.SampleFormat = webdataset.DEFAULT_FORMAT) -> Report:
+    """Reads one shard completely and reports on it; ``fmt.sample_filter`` drops (and counts) as a run would."""
     from clip_jax.tokenizer import tokenize
 
     report = Report(shards=1)
     shard_skips = collections.Counter()
     captions, sizes = [], []
-    for sample in webdataset.iter_shard(url, shard_skips):
+    sample_filter = fmt.sample_filter
+    unfiltered = dataclasses.replace(fmt, sample_filter=None)
+    for sample in webdataset.iter_shard(url, shard_skips, unfiltered):
+        if sample_filter is not None:
+            report.rules_alone.update(sample_filter.failed(sample.metadata, sample.image, sample.caption))
+            reason = sample_filter.check(sample.metadata, sample.image, sample.caption)
+            if reason is not None:
+                report.skipped[reason] += 1
+                continue
         if decode:
             info = _image_info(sample.image)
             if info is None:
@@ -150,7 +166,8 @@ def check_shard(url: str, context_length: int = 77, decode: bool = True) -> Repo
 
 
 def summary(report: Report, context_length: int) -> str:
-    skipped = sum(v for k, v in report.skipped.items() if not k.endswith("_shard"))
+    skipped = sum(v for k, v in report.skipped.items()
+                  if not k.endswith("_shard") and not k.startswith(filters.PREFIX))
     lines = [
         f"shards            {report.shards:,} read, {len(report.bad_shards):,} bad (unreadable/truncated/corrupt)",
         f"samples           {report.samples:,} good, {skipped:,} skipped",
@@ -158,6 +175,7 @@ def summary(report: Report, context_length: int) -> str:
     for reason in webdataset.SKIP_REASONS:
         if report.skipped[reason]:
             lines.append(f"  {reason:<16}{report.skipped[reason]:,}")
+    lines += filter_lines(report.skipped, report.rules_alone)
     if report.widths.count:
         lines += [
             f"image width       {report.widths.spread()}",
@@ -181,8 +199,20 @@ def summary(report: Report, context_length: int) -> str:
     return "\n".join(lines)
 
 
+def filter_lines(skipped: collections.Counter, rules_alone: collections.Counter) -> list[str]:
+    """The filter's drops: by the reason a run counts (first rule failed), then each rule alone."""
+    dropped = {k: v for k, v in skipped.items() if k.startswith(filters.PREFIX)}
+    if not dropped and not rules_alone:
+        return []
+    lines = [f"filtered          {sum(dropped.values()):,} samples (a run counts each under the first rule it fails)"]
+    lines += [f"  {reason}  {count:,}" for reason, count in sorted(dropped.items())]
+    lines.append("each rule alone would drop")
+    lines += [f"  {rule}  {count:,}" for rule, count in rules_alone.items()]
+    return lines
+
+
 def run(pattern: str, *, workers: int = 1, max_shards: int | None = None, context_length: int = 77,
-        decode: bool = True) -> Report:
+        decode: bool = True, fmt: webdataset.SampleFormat = webdataset.DEFAULT_FORMAT) -> Report:
     urls = list(shards_lib.resolve_shards(pattern).urls)
     if max_shards is not None and max_shards < len(urls):
         picks = np.random.default_rng(0).choice(len(urls), max_shards, replace=False)
@@ -190,27 +220,42 @@ def run(pattern: str, *, workers: int = 1, max_shards: int | None = None, contex
     total = Report()
     if workers <= 1:
         for url in urls:
-            total.merge(check_shard(url, context_length, decode))
+            total.merge(check_shard(url, context_length, decode, fmt))
         return total
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for report in pool.map(check_shard, urls, [context_length] * len(urls), [decode] * len(urls)):
+        for report in pool.map(check_shard, urls, [context_length] * len(urls), [decode] * len(urls),
+                               [fmt] * len(urls)):
             total.merge(report)
     return total
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.data.check", description=__doc__.split("\n")[0])
-    parser.add_argument("pattern", help='shard pattern, e.g. "/data/shards/{00000..00099}.tar" (quote it)')
+    parser.add_argument("pattern", nargs="?", help='shard pattern, e.g. "/data/shards/{00000..00099}.tar" (quote it)')
+    parser.add_argument("--parquet", nargs="+", default=None, metavar="FILE",
+                        help="count what --filter drops on these parquet metadata files instead of shards")
     parser.add_argument("--workers", type=int, default=1, help="processes reading shards in parallel")
     parser.add_argument("--max-shards", type=int, default=None, help="check a random subset of this many shards")
     parser.add_argument("--context-length", type=int, default=77)
     parser.add_argument("--no-decode", action="store_true", help="do not decode images (faster, checks less)")
+    parser.add_argument("--filter", default="", help="a train_data_filter expression, e.g. \"punsafe < 0.5\"")
+    parser.add_argument("--min-image-size", type=int, default=0, help="as train_data_min_image_size")
+    parser.add_argument("--min-caption-chars", type=int, default=0, help="as train_data_min_caption_chars")
+    parser.add_argument("--image-key", default=";".join(webdataset.IMAGE_EXTENSIONS), help="as train_data_image_key")
+    parser.add_argument("--caption-key", default=webdataset.CAPTION_EXTENSION, help="as train_data_caption_key")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any sample or shard is bad")
     parser.add_argument("--json", default=None, help="also write the counts to this JSON file")
     args = parser.parse_args(argv)
+    if (args.pattern is None) == (args.parquet is None):
+        parser.error("give a shard pattern or --parquet FILE..., not both")
     try:
+        sample_filter = filters.SampleFilter(args.filter, args.min_image_size, args.min_caption_chars)
+        if args.parquet is not None:
+            return _main_parquet(args.parquet, sample_filter, args.json)
+        fmt = webdataset.SampleFormat.parse(args.image_key, args.caption_key,
+                                            sample_filter if sample_filter.active else None)
         report = run(args.pattern, workers=args.workers, max_shards=args.max_shards,
-                     context_length=args.context_length, decode=not args.no_decode)
+                     context_length=args.context_length, decode=not args.no_decode, fmt=fmt)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -218,13 +263,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shards": report.shards, "samples": report.samples, "skipped": dict(report.skipped),
+                       "filter_rules_alone": dict(report.rules_alone),
                        "bad_shards": report.bad_shards, "truncated_captions": report.truncated_captions,
                        "greyscale": report.greyscale}, f, indent=2)
     if report.samples == 0:
         print("error: no good sample found", file=sys.stderr)
         return 1
-    if args.strict and (report.skipped or report.bad_shards):
+    bad = {k: v for k, v in report.skipped.items() if v and not k.startswith(filters.PREFIX)}
+    if args.strict and (bad or report.bad_shards):
         return 1
+    return 0
+
+
+def _main_parquet(paths: list[str], sample_filter: filters.SampleFilter, json_path: str | None) -> int:
+    from clip_jax.data import parquet_filter
+
+    report = parquet_filter.count(paths, sample_filter)
+    print(f"parquet files     {report.files:,}")
+    print(f"rows              {report.rows:,}, {report.kept:,} kept")
+    print("\n".join(filter_lines(report.dropped, report.rules_alone)))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"files": report.files, "rows": report.rows, "kept": report.kept,
+                       "dropped": dict(report.dropped), "filter_rules_alone": dict(report.rules_alone)}, f, indent=2)
     return 0
 
 

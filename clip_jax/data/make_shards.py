@@ -8,6 +8,8 @@ installed, ``NNNNN.parquet`` with one row per sample.
     python -m clip_jax.data.make_shards fashion-mnist --out /tmp/fmnist            # train/ and test/ shards
     python -m clip_jax.data.make_shards fashion-mnist --out /tmp/fm256 --image-size 256 --split test
     python -m clip_jax.data.make_shards folder --images photos/ --captions captions.tsv --out /tmp/photos
+    python -m clip_jax.data.make_shards filter-parquet laion/part-*.parquet --out kept.parquet \
+        --filter "punsafe < 0.5 and pwatermark < 0.8"      # LAION's metadata, pre-filtered for img2dataset
 """
 
 from __future__ import annotations
@@ -263,9 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--out", required=True, help="output folder")
         command.add_argument("--samples-per-shard", type=int, default=ROWS_PER_SHARD_MAX)
         command.add_argument("--image-size", type=int, default=None, help="resize (bicubic) to this size")
+    pq = commands.add_parser("filter-parquet", help="the rows of parquet metadata files a filter expression keeps")
+    pq.add_argument("parquet", nargs="+", help="input parquet files (e.g. LAION's metadata)")
+    pq.add_argument("--filter", required=True, help="an expression as train_data_filter, on the files' columns")
+    pq.add_argument("--out", required=True, help="output parquet file")
     args = parser.parse_args(argv)
 
     try:
+        if args.source == "filter-parquet":
+            from clip_jax.data import filters, parquet_filter
+
+            report = parquet_filter.write_filtered(args.parquet, filters.SampleFilter(args.filter), args.out)
+            print(f"wrote {report.kept:,} of {report.rows:,} rows to {args.out}")
+            return 0
         if args.source == "fashion-mnist":
             splits = ["train", "test"] if args.split == "both" else [args.split]
             jobs = [(os.path.join(args.out, split) if len(splits) > 1 else args.out,

@@ -5,13 +5,16 @@ turn; a shard that ends is replaced by the next one of the stream's :class:`~cli
 Samples are shuffled in windows: ``shuffle_window`` consecutive samples are read, then returned in a random order.
 The iterator state is the reading position at the start of the current window (shard and byte offset of each open
 shard, the next draw number) plus the position inside the window, so a restore re-reads one window of raw bytes
-and continues exactly where the saved iterator was. Bad data is skipped and counted by reason in the state.
+and continues exactly where the saved iterator was. Bad data is skipped and counted by reason in the state;
+samples a :class:`SampleFormat`'s filter drops are counted the same way, under reasons starting ``"filter: "``.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any, BinaryIO, NamedTuple
@@ -19,8 +22,8 @@ from typing import Any, BinaryIO, NamedTuple
 import grain
 import numpy as np
 
+from clip_jax.data import filters, tar_format
 from clip_jax.data import shards as shards_lib
-from clip_jax.data import tar_format
 from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -36,11 +39,13 @@ EMPTY_CAPTION = "empty_caption"
 BAD_CAPTION = "bad_caption"  # not UTF-8
 EMPTY_IMAGE = "empty_image"
 CORRUPT_IMAGE = "corrupt_image"  # counted by the decoding stage
+TOO_MANY_PIXELS = "too_many_pixels"  # over max_image_pixels (a decompression bomb guard); the decoding stage
+MISSING_IMAGE = "missing_image"  # a csv row whose image file cannot be read
 UNREADABLE_SHARD = "unreadable_shard"
 TRUNCATED_SHARD = "truncated_shard"
 CORRUPT_SHARD = "corrupt_shard"
 SKIP_REASONS = (JSON_ONLY, NO_IMAGE, NO_CAPTION, EMPTY_CAPTION, BAD_CAPTION, EMPTY_IMAGE, CORRUPT_IMAGE,
-                UNREADABLE_SHARD, TRUNCATED_SHARD, CORRUPT_SHARD)
+                TOO_MANY_PIXELS, MISSING_IMAGE, UNREADABLE_SHARD, TRUNCATED_SHARD, CORRUPT_SHARD)
 
 
 class RawSample(NamedTuple):
@@ -50,17 +55,69 @@ class RawSample(NamedTuple):
     shard: str  # URL of the shard it came from
     stream: int  # data stream (process, worker) that read it
     number: int  # index of the sample in its stream; (stream, number) keys the per-sample augmentation RNG
+    metadata: bytes | None = None  # the sample's .json, as stored
 
 
-def sample_from_group(group: tar_format.Group, shard: str, stream: int = 0, number: int = -1) -> RawSample | str:
-    """The sample a group of members forms, or the reason it has to be skipped."""
+@dataclasses.dataclass(frozen=True)
+class SampleFormat:
+    """Which members of a sample are its image and caption, and which samples a run keeps.
+
+    ``image_keys``: extensions tried in order (OpenCLIP's ``jpg;png;jpeg;webp``). ``caption_key``: an extension
+    (``txt``) or ``json:FIELD``, a string field of the sample's ``.json`` (img2dataset's ``json:caption``).
+    ``sample_filter``: a :class:`~clip_jax.data.filters.SampleFilter`; what it drops is counted under its reasons.
+    """
+
+    image_keys: tuple[str, ...] = IMAGE_EXTENSIONS
+    caption_key: str = CAPTION_EXTENSION
+    sample_filter: filters.SampleFilter | None = None
+
+    def __post_init__(self):
+        if not self.image_keys or not all(self.image_keys):
+            raise InvalidInput(f"image keys {self.image_keys!r}: give extensions such as 'jpg;png;webp'")
+        if not self.caption_key or self.caption_key == "json:":
+            raise InvalidInput(f"caption key {self.caption_key!r}: give an extension ('txt') or 'json:FIELD'")
+
+    @classmethod
+    def parse(cls, image_keys: str = ";".join(IMAGE_EXTENSIONS), caption_key: str = CAPTION_EXTENSION,
+              sample_filter: filters.SampleFilter | None = None) -> "SampleFormat":
+        """From OpenCLIP-style strings: ``"jpg;png;webp"`` and ``"txt"`` / ``"json:caption"``."""
+        keys = tuple(k.strip().lstrip(".").lower() for k in image_keys.split(";"))
+        return cls(keys, caption_key.strip().lstrip("."), sample_filter)
+
+
+DEFAULT_FORMAT = SampleFormat()
+
+
+def _caption_bytes(files: dict[str, bytes], caption_key: str) -> bytes | None | str:
+    """The caption's UTF-8 bytes, None when absent, or a skip reason."""
+    if not caption_key.startswith("json:"):
+        return files.get(caption_key)
+    meta = files.get("json")
+    if meta is None:
+        return None
+    try:
+        value = json.loads(meta).get(caption_key[5:])
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return BAD_CAPTION
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return BAD_CAPTION
+    return value.encode("utf-8", "surrogatepass")
+
+
+def sample_from_group(group: tar_format.Group, shard: str, stream: int = 0, number: int = -1,
+                      fmt: SampleFormat = DEFAULT_FORMAT) -> RawSample | str:
+    """The sample a group of members forms, or the reason it has to be skipped (or is filtered out)."""
     files = group.files
-    image = next((files[ext] for ext in IMAGE_EXTENSIONS if ext in files), None)
-    text = files.get(CAPTION_EXTENSION)
+    image = next((files[ext] for ext in fmt.image_keys if ext in files), None)
+    text = _caption_bytes(files, fmt.caption_key)
     if image is None:
         return NO_IMAGE if text is not None else JSON_ONLY
     if text is None:
         return NO_CAPTION
+    if isinstance(text, str):
+        return text
     if not image:
         return EMPTY_IMAGE
     try:
@@ -69,7 +126,11 @@ def sample_from_group(group: tar_format.Group, shard: str, stream: int = 0, numb
         return BAD_CAPTION
     if not caption.strip():
         return EMPTY_CAPTION
-    return RawSample(image, caption, group.key, shard, stream, number)
+    if fmt.sample_filter is not None:
+        reason = fmt.sample_filter.check(files.get("json"), image, caption)
+        if reason is not None:
+            return reason
+    return RawSample(image, caption, group.key, shard, stream, number, files.get("json"))
 
 
 def open_shard(url: str) -> BinaryIO:
@@ -81,8 +142,10 @@ def open_shard(url: str) -> BinaryIO:
     return fsspec.open(url, "rb", block_size=1 << 22).open()
 
 
-def iter_shard(url: str, skipped: collections.Counter | None = None) -> Iterator[RawSample]:
-    """All good samples of one shard in file order; skips (and shard errors) are added to ``skipped``."""
+def iter_shard(url: str, skipped: collections.Counter | None = None,
+               fmt: SampleFormat = DEFAULT_FORMAT) -> Iterator[RawSample]:
+    """All good (and kept) samples of one shard in file order; skips, drops and shard errors are added to
+    ``skipped``."""
     skipped = skipped if skipped is not None else collections.Counter()
     try:
         stream = open_shard(url)
@@ -93,7 +156,7 @@ def iter_shard(url: str, skipped: collections.Counter | None = None) -> Iterator
     with stream:
         try:
             for group in tar_format.iter_groups(tar_format.iter_members(stream)):
-                sample = sample_from_group(group, url)
+                sample = sample_from_group(group, url, fmt=fmt)
                 if isinstance(sample, str):
                     skipped[sample] += 1
                 else:
@@ -159,8 +222,10 @@ class TarShardDataset(grain.IterDataset):
         process_count: int = 1,
         shuffle_window: int = 1000,
         shards_in_flight: int = 4,
+        sample_format: SampleFormat = DEFAULT_FORMAT,
     ):
         super().__init__()
+        self.sample_format = sample_format
         if shuffle_window < 1 or shards_in_flight < 1:
             raise InvalidInput(
                 f"shuffle_window ({shuffle_window}) and shards_in_flight ({shards_in_flight}) must be >= 1"
@@ -203,6 +268,7 @@ class TarShardIterator(grain.DatasetIterator):
         self._urls = ds.shard_list.urls
         self._order = ds.order()
         self._seed = ds.seed
+        self._format = ds.sample_format
         self._window_size = ds.shuffle_window
         in_flight = ds.shards_in_flight if ds.resampled else min(ds.shards_in_flight, self._order.shards_per_epoch)
         self._slots: list[_OpenShard | None] = [None] * in_flight  # epoch mode: never one shard twice at once
@@ -283,7 +349,7 @@ class TarShardIterator(grain.DatasetIterator):
                 self._retire(self._cursor)
                 continue
             self._cursor = (self._cursor + 1) % len(self._slots)
-            sample = sample_from_group(group, slot.url, self._order.stream_index, number)
+            sample = sample_from_group(group, slot.url, self._order.stream_index, number, self._format)
             if isinstance(sample, str):
                 self.skipped[sample] += 1
                 continue
