@@ -15,7 +15,7 @@ from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
-REPORT_TO = ("tensorboard", "none")
+REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
 
 
@@ -87,6 +87,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.log_every_n_steps = 100
     c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
 
+    # Operating a long run: telemetry, validation during training, Weights & Biases.
+    c.telemetry = True  # GPU (NVML), device memory and host fields in each log line; a warning at >90% memory
+    c.val_data = ""  # held-out webdataset shards of image-caption pairs ("/data/val/{0..7}.tar"), or ""
+    c.val_num_samples = 0  # validate on the first N images only (0: all)
+    c.val_frequency = 1  # validate every this many epochs (0: only at the end), when val_data is set
+    c.wandb_project = "clip_jax"  # W&B project (report_to includes wandb); WANDB_MODE=offline runs without network
+
     # Faults.
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
     c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
@@ -108,8 +115,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"on_instability={c.on_instability!r}: choose one of {INSTABILITY_ACTIONS}")
     if c.resume_data not in RESUME_DATA:
         problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
-    if c.report_to not in REPORT_TO:
-        problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
+    problems.extend(report_to_problems(c))
     if c.loss not in LOSSES:
         problems.append(f"loss={c.loss!r}: choose one of {tuple(LOSSES)}")
     if c.attention_impl not in ("auto", "xla", "cudnn"):
@@ -119,7 +125,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
-                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples"):
+                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     force = c.force_patch_dropout  # None, like -1: the model's
@@ -132,7 +138,11 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"{num_devices} devices do not split evenly over {process_count} processes")
     if len(c.image_mean) != 3 or len(c.image_std) != 3:
         problems.append("image_mean and image_std need 3 values each")
-    if c.resume and c.resume != "latest" and not os.path.exists(c.resume):
+    for field in ("logs", "resume"):
+        if "://" in str(c[field]):
+            problems.append(f"{field}={c[field]!r}: remote run directories (s3://, gs://) are not supported yet; give "
+                            "a local or mounted path")
+    if c.resume and c.resume != "latest" and "://" not in c.resume and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
     if c.zeroshot_data and c.zeroshot_data != "demo" and not os.path.isdir(c.zeroshot_data):
         problems.append(f"zeroshot_data={c.zeroshot_data!r} is neither 'demo' nor an image folder nor a "
@@ -147,3 +157,24 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                 problems.append(f"zeroshot_data={c.zeroshot_data!r}: {e}")
     if problems:
         raise InvalidInput("bad config:\n  " + "\n  ".join(problems))
+
+
+def report_targets(report_to: str) -> tuple[str, ...]:
+    """`report_to` ("tensorboard", "wandb", "tensorboard,wandb", "none" or "") as the targets it names."""
+    names = tuple(n.strip() for n in str(report_to).split(",") if n.strip())
+    return () if names in ((), ("none",)) else names
+
+
+def report_to_problems(c) -> list[str]:
+    targets = report_targets(c.report_to)
+    unknown = [t for t in targets if t not in REPORT_TO]
+    if unknown:
+        return [f"report_to={c.report_to!r}: {', '.join(map(repr, unknown))} unknown; give 'none' or any of "
+                f"{REPORT_TO} joined by ','"]
+    if "wandb" in targets:
+        from clip_jax.wandb_report import project_problem
+
+        problem = project_problem(c.wandb_project)
+        if problem:
+            return [problem]
+    return []

@@ -7,38 +7,7 @@ import jax
 import pytest
 
 from clip_jax import device_telemetry as telemetry
-
-
-class FakeNVMLError(Exception):
-    pass
-
-
-def fake_nvml(gpus, *, power_supported=True, init_error=None):
-    """A stand-in for pynvml over `gpus`: a list of dicts with util (%), used, total (bytes), temp (C), power (mW)."""
-    calls = {"init": 0, "shutdown": 0}
-
-    def init():
-        calls["init"] += 1
-        if init_error:
-            raise FakeNVMLError(init_error)
-
-    def power(handle):
-        if not power_supported:
-            raise FakeNVMLError("Not Supported")
-        return gpus[handle]["power"]
-
-    module = types.SimpleNamespace(
-        NVMLError=FakeNVMLError, NVML_TEMPERATURE_GPU=0, calls=calls, nvmlInit=init,
-        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
-        nvmlDeviceGetCount=lambda: len(gpus),
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=gpus[h]["util"], memory=0),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=gpus[h]["used"], total=gpus[h]["total"],
-                                                                free=gpus[h]["total"] - gpus[h]["used"]),
-        nvmlDeviceGetTemperature=lambda h, sensor: gpus[h]["temp"],
-        nvmlDeviceGetPowerUsage=power)
-    return module
-
+from fake_nvml import fake_nvml
 
 GPUS = [dict(util=93, used=60e9, total=80e9, temp=61, power=350_000),
         dict(util=55, used=76e9, total=80e9, temp=70, power=410_500)]
