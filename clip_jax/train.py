@@ -134,23 +134,25 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, "config.json"), "w") as f:
                 f.write(config.to_json(indent=2))
-            self._open_operations()
+        self._open_operations()
 
     def _open_operations(self) -> None:
-        """Metrics targets, telemetry and the validation set (read now: a bad set stops the run before training)."""
+        """Metrics targets and telemetry (process 0), and the validation set (every process: validation is a
+        collective; read now, so a bad set stops the run before training)."""
         config = self.config
-        targets = report_targets(config.report_to)
-        if "tensorboard" in targets:
-            self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
-        if "wandb" in targets:
-            from clip_jax.wandb_report import WandbWriter
+        if self.is_main:
+            targets = report_targets(config.report_to)
+            if "tensorboard" in targets:
+                self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
+            if "wandb" in targets:
+                from clip_jax.wandb_report import WandbWriter
 
-            self.wandb = WandbWriter(self.run_dir, project=config.wandb_project,
-                                     name=os.path.basename(os.path.normpath(self.run_dir)), config=config.to_dict())
-        if config.telemetry:
-            self.telemetry = Telemetry(devices=jax.local_devices())
-            for note in self.telemetry.notes:
-                self._say(note)
+                self.wandb = WandbWriter(self.run_dir, project=config.wandb_project,
+                                         name=os.path.basename(os.path.normpath(self.run_dir)), config=config.to_dict())
+            if config.telemetry:
+                self.telemetry = Telemetry(devices=jax.local_devices())
+                for note in self.telemetry.notes:
+                    self._say(note)
         if config.val_data:
             from clip_jax.evaluation.validation import open_validation_set
 
