@@ -35,7 +35,11 @@ setup(
         # XLA:GPU: the planner compiles for GPUs without one (clip_jax.xla_gpu), and training runs on NVIDIA GPUs.
         # jaxlib's CUDA 13 plugin and NVIDIA's libraries: about 4.4 GB of wheels (most of them shared with torch's
         # CUDA build, which the test extra brings).
-        "gpu": ["jax[cuda13]"],
+        # nvidia-ml-py: GPU utilisation, memory, temperature and power in the training log (clip_jax.device_telemetry).
+        "gpu": ["jax[cuda13]", "nvidia-ml-py>=12"],
+        # report_to=wandb; python -m clip_jax.report (its PNG).
+        "wandb": ["wandb>=0.19"],
+        "report": ["matplotlib>=3.8"],
         # The parity tests run the real OpenCLIP package; pip takes these torch builds from local files where present.
         "test": [
             "pytest>=9.0",
@@ -46,6 +50,9 @@ setup(
             # LAION's clip-benchmark (installed by .ci/setup.sh without its dependencies) imports scikit-learn in its
             # classification metrics; the tests also use it as an independent reference for balanced accuracy and AP.
             "scikit-learn>=1.0,<2",
+            # W&B offline mode and the report PNG are tested end to end.
+            "wandb>=0.19",
+            "matplotlib>=3.8",
         ],
         # Benchmarks only: benchmarks/instability_lab.py plots its loss curves.
         "bench": ["matplotlib>=3.8"],

@@ -15,7 +15,7 @@ from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
-REPORT_TO = ("tensorboard", "none")
+REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
 OPTIMIZERS = ("adamw", "stable_adamw")
 
@@ -123,12 +123,21 @@ def default_config() -> ml_collections.ConfigDict:
     c.zeroshot_samples = 0  # evaluate on the first N images only (0: all)
 
     # Metrics.
-    c.report_to = "tensorboard"  # tensorboard | none (the console always gets progress lines)
+    # tensorboard | wandb | tensorboard,wandb | none (the console always gets progress lines)
+    c.report_to = "tensorboard"
     c.log_every_n_steps = 100
     c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
     # Per-block gradient and update RMS, Adam's RMS ratio, the last blocks' q/k weight norms: computed on every
     # log_every_n_steps-th step only, written with the other metrics (clip_jax.telemetry)
     c.spike_telemetry = True
+
+    # Operating a long run: telemetry, validation during training, Weights & Biases.
+    # GPU (NVML), device memory and host fields in each log line; a warning at >90% memory
+    c.device_telemetry = True
+    c.val_data = ""  # held-out webdataset shards of image-caption pairs ("/data/val/{0..7}.tar"), or ""
+    c.val_num_samples = 0  # validate on the first N images only (0: all)
+    c.val_frequency = 1  # validate every this many epochs (0: only at the end), when val_data is set
+    c.wandb_project = "clip_jax"  # W&B project (report_to includes wandb); WANDB_MODE=offline runs without network
 
     # Faults.
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
@@ -151,8 +160,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"on_instability={c.on_instability!r}: choose one of {INSTABILITY_ACTIONS}")
     if c.resume_data not in RESUME_DATA:
         problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
-    if c.report_to not in REPORT_TO:
-        problems.append(f"report_to={c.report_to!r}: choose one of {REPORT_TO}")
+    problems.extend(report_to_problems(c))
     if c.opt not in OPTIMIZERS:
         problems.append(f"opt={c.opt!r}: choose one of {OPTIMIZERS}")
     if c.loss not in LOSSES:
@@ -164,7 +172,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
-                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples"):
+                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     force = c.force_patch_dropout  # None, like -1: the model's
@@ -177,7 +185,11 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"{num_devices} devices do not split evenly over {process_count} processes")
     if len(c.image_mean) != 3 or len(c.image_std) != 3:
         problems.append("image_mean and image_std need 3 values each")
-    if c.resume and c.resume != "latest" and not os.path.exists(c.resume):
+    for field in ("logs", "resume"):
+        if "://" in str(c[field]):
+            problems.append(f"{field}={c[field]!r}: remote run directories (s3://, gs://) are not supported yet; give "
+                            "a local or mounted path")
+    if c.resume and c.resume != "latest" and "://" not in c.resume and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
     if c.get("pretrained") and not os.path.exists(c.pretrained):
         problems.append(f"pretrained={c.pretrained!r} does not exist: give an OpenCLIP checkpoint, an exported "
@@ -235,3 +247,24 @@ def data_problems(c: ml_collections.ConfigDict) -> list[str]:
     if c.dataset_type == "synthetic" and not c.train_num_samples:
         problems.append("dataset_type='synthetic' needs train_num_samples (samples per virtual epoch)")
     return problems
+
+
+def report_targets(report_to: str) -> tuple[str, ...]:
+    """`report_to` ("tensorboard", "wandb", "tensorboard,wandb", "none" or "") as the targets it names."""
+    names = tuple(n.strip() for n in str(report_to).split(",") if n.strip())
+    return () if names in ((), ("none",)) else names
+
+
+def report_to_problems(c) -> list[str]:
+    targets = report_targets(c.report_to)
+    unknown = [t for t in targets if t not in REPORT_TO]
+    if unknown:
+        return [f"report_to={c.report_to!r}: {', '.join(map(repr, unknown))} unknown; give 'none' or any of "
+                f"{REPORT_TO} joined by ','"]
+    if "wandb" in targets:
+        from clip_jax.wandb_report import project_problem
+
+        problem = project_problem(c.wandb_project)
+        if problem:
+            return [problem]
+    return []

@@ -25,7 +25,8 @@ from ml_collections import config_flags
 from clip_jax import cli, data
 from clip_jax import telemetry as telemetry_lib
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
-from clip_jax.config import check_config
+from clip_jax.config import check_config, report_targets
+from clip_jax.device_telemetry import Telemetry, progress_parts
 from clip_jax.distributed import initialize_from_environment
 from clip_jax.errors import RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
@@ -104,7 +105,7 @@ class Trainer:
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
         self.flops_per_sample = train_flops(spec.model)
-        self.data_iter = self.checkpoints = self.writer = None
+        self.data_iter = self.checkpoints = self.writer = self.wandb = self.device_telemetry = self.val_set = None
         try:
             self._open()
         except BaseException:
@@ -137,8 +138,29 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, "config.json"), "w") as f:
                 f.write(config.to_json(indent=2))
-            if config.report_to == "tensorboard":
+        self._open_operations()
+
+    def _open_operations(self) -> None:
+        """Metrics targets and device telemetry (process 0), and the validation set (every process: validation is a
+        collective; read now, so a bad set stops the run before training)."""
+        config = self.config
+        if self.is_main:
+            targets = report_targets(config.report_to)
+            if "tensorboard" in targets:
                 self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
+            if "wandb" in targets:
+                from clip_jax.wandb_report import WandbWriter
+
+                self.wandb = WandbWriter(self.run_dir, project=config.wandb_project,
+                                         name=os.path.basename(os.path.normpath(self.run_dir)), config=config.to_dict())
+            if config.device_telemetry:
+                self.device_telemetry = Telemetry(devices=jax.local_devices())
+                for note in self.device_telemetry.notes:
+                    self._say(note)
+        if config.val_data:
+            from clip_jax.evaluation.validation import open_validation_set
+
+            self.val_set = open_validation_set(config.val_data, config.val_num_samples)
 
     def _pretrained_state(self, path: str):
         """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes),
@@ -157,9 +179,10 @@ class Trainer:
             self.checkpoints.close()
         if self.data_iter is not None:
             self.data_iter.close()  # stops the worker processes and frees their shared memory
-        if self.writer is not None:
-            self.writer.close()
-        self.checkpoints = self.data_iter = self.writer = None
+        for opened in (self.writer, self.wandb, self.device_telemetry):
+            if opened is not None:
+                opened.close()
+        self.checkpoints = self.data_iter = self.writer = self.wandb = self.device_telemetry = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -176,8 +199,9 @@ class Trainer:
     def _record(self, step: int, scalars: dict) -> None:
         if not self.is_main:
             return
-        if self.writer is not None:
-            self.writer.write_scalars(step, scalars)
+        for writer in (self.writer, self.wandb):
+            if writer is not None:
+                writer.write_scalars(step, scalars)
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **scalars}) + "\n")
 
@@ -290,8 +314,8 @@ class Trainer:
                 if reads.dispatched(self.step, metrics):
                     continue  # rolled back
                 log_due = self.step % c.log_every_n_steps == 0 or self.step == schedule.total_steps
-                save_due, zeroshot_due = self._save_due(), self._zeroshot_due()
-                if not (log_due or save_due or zeroshot_due):
+                save_due, zeroshot_due, val_due = self._save_due(), self._zeroshot_due(), self._val_due()
+                if not (log_due or save_due or zeroshot_due or val_due):
                     continue
                 if reads.catch_up():  # what is logged or saved has been checked
                     continue
@@ -301,14 +325,19 @@ class Trainer:
                     self.save()
                 if zeroshot_due:
                     self._record(self.step, self.zeroshot())
+                if val_due:
+                    self._record(self.step, self.validate())
             self.save(force=True)
             self.checkpoints.wait()
             results = {"step": self.step}
             if c.zeroshot_data:
                 results.update(self.zeroshot())
-                self._record(self.step, results)
+            if self.val_set is not None:
+                results.update(self.validate())
+            if len(results) > 1:
+                self._record(self.step, {k: v for k, v in results.items() if k != "step"})
             self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
-                f", {k} {v:.4f}" for k, v in results.items() if k.startswith("zeroshot")))
+                f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_"))))
             return results
         finally:
             stop.restore()
@@ -359,11 +388,19 @@ class Trainer:
             data_wait_fraction=data_wait / max(elapsed, 1e-9),
             **data.skip_scalars(self.data_iter.skipped_samples()),
             skipped_updates=self.skipped_updates,
+            data_wait_per_step=data_wait / max(steps, 1),
             eta_seconds=remaining * elapsed / max(steps, 1),
             epoch=self.schedule.epoch(self.step),
             samples_seen=self.step * self.schedule.global_batch,
         )
-        self._say(progress_line(self.step, self.schedule.total_steps, self.schedule.epoch(self.step), scalars))
+        line = progress_line(self.step, self.schedule.total_steps, self.schedule.epoch(self.step), scalars)
+        if self.device_telemetry is not None:  # read on logging steps only: a few microseconds each
+            device = self.device_telemetry.sample()
+            scalars.update(device)
+            line = " | ".join([line, *progress_parts(device)])
+            for warning in self.device_telemetry.warnings(device):
+                self._say(warning)
+        self._say(line)
         self._record(self.step, {k: v for k, v in scalars.items() if v is not None} | (telemetry or {}))
 
     # -- zero-shot ------------------------------------------------------------------------------------------
@@ -392,6 +429,31 @@ class Trainer:
         batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
         return ZeroShotEvaluator(create_model(model_at_image_size(c)), dataset, self.mesh, batch_size=batch,
                                  mean=tuple(c.image_mean), std=tuple(c.image_std))
+
+    def _val_due(self) -> bool:
+        c = self.config
+        if self.val_set is None or not c.val_frequency or self.step == self.schedule.total_steps:
+            return False  # the final validation runs after the loop
+        per_epoch = self.step % self.schedule.steps_per_epoch == 0
+        return per_epoch and (self.step // self.schedule.steps_per_epoch) % c.val_frequency == 0
+
+    @functools.cached_property
+    def val_model(self):
+        return create_model(model_at_image_size(self.config))  # fp32 compute on the run's params, as zero-shot
+
+    def validate(self) -> dict:
+        """Contrastive loss and retrieval recall@1/5/10 on `val_data`, as `val_*` metrics."""
+        from clip_jax.evaluation.validation import validate
+
+        c = self.config
+        metrics = validate(self.val_model, self.state.params, self.val_set, self.mesh,
+                           batch_size=max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size),
+                           loss_batch_size=self.schedule.global_batch, mean=tuple(c.image_mean),
+                           std=tuple(c.image_std))
+        result = {f"val_{k}": float(v) for k, v in metrics.items() if k != "num_images"}
+        self._say(f"validation on {metrics['num_images']} images at step {self.step}: " +
+                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        return result
 
     def zeroshot(self) -> dict:
         evaluator = self.zeroshot_evaluator

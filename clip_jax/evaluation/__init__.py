@@ -9,8 +9,9 @@
 Modules: `sources` (image folders, TFDS, in-memory arrays, retrieval shards), `datasets` (classification sets with
 their class names and prompts), `batches` (the eval transform, padded batches), `encoder` (the image and text towers
 over the mesh), `classifier` and `classification` (zero-shot accuracy), `retrieval` and `metrics` (recall@k, ranks),
-`prompts` (class names and templates), `clip_benchmark` (LAION's CLIP_benchmark webdataset layout) and `benchmark`
-(its metrics and result files). The command line is `python -m clip_jax.zeroshot`.
+`prompts` (class names and templates), `validation` (loss and recall on held-out shards during training),
+`clip_benchmark` (LAION's CLIP_benchmark webdataset layout) and `benchmark` (its metrics and result files). The
+command line is `python -m clip_jax.zeroshot`.
 """
 
 from clip_jax.evaluation.benchmark import evaluate_benchmark

@@ -1,0 +1,149 @@
+"""Operating a run end to end on 8 simulated devices: telemetry in the log (a fake NVML library injected), validation
+every epoch, TensorBoard and W&B (offline) together, a resume that continues the same W&B run, the report PNG, and
+the refusals of bad settings."""
+
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+
+import pytest
+from PIL import Image
+
+from clip_jax import report as report_lib
+from clip_jax import train as train_lib
+from clip_jax.config import check_config
+from clip_jax.data import make_shards
+from clip_jax.device_telemetry import Telemetry
+from clip_jax.errors import InvalidInput
+from fake_nvml import fake_nvml
+from trainer_run import tiny_config
+from wandb_offline import offline_runs
+
+GPUS = [dict(util=81, used=20e9, total=80e9, temp=55, power=300_000)] * 2
+
+
+def read_jsonl(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, trainer_model_file):
+    """Two epochs of 4 steps, then a resume for a third; returns (run_dir, console output of each part)."""
+    root = tmp_path_factory.mktemp("ops")
+    train = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=256), str(root / "train"), 128)
+    val = make_shards.write_shards(make_shards.fashion_mnist_samples("test", limit=24), str(root / "val"), 24)
+    config = tiny_config((make_shards.shard_pattern(train), trainer_model_file), root / "logs",
+                         train_num_samples=256, epochs=2, log_every_n_steps=2, save_every_steps=0,
+                         val_data=make_shards.shard_pattern(val), report_to="tensorboard,wandb",
+                         wandb_project="clip-jax-tests")
+    outputs = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        patch.setattr(train_lib, "Telemetry", functools.partial(Telemetry, nvml=fake_nvml(GPUS),
+                                                                cuda_visible_devices=""))
+        for overrides in ({}, {"resume": "latest", "epochs": 3}):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                part = config.copy_and_resolve_references()
+                part.update(overrides)
+                train_lib.train(part)
+            outputs.append(out.getvalue())
+    return root / "logs" / "run", outputs
+
+
+def test_telemetry_in_the_metrics_and_the_progress_line(run):
+    run_dir, (first, _) = run
+    logged = [r for r in read_jsonl(run_dir) if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6, 8, 10, 12]
+    for record in logged:
+        assert record["gpu0_utilization"] == 0.81 and record["gpu1_memory_used"] == 20e9
+        assert record["gpu_temperature_max_c"] == 55 and record["gpu_power_w_total"] == 600
+        assert record["host_ram_total"] > 0 and "host_cpu_percent" in record
+        assert record["data_wait_per_step"] >= 0
+        assert not any(k.startswith("device") for k in record)  # the CPU backend keeps no allocator stats
+    assert "no device memory stats: the cpu backend keeps none" in first
+    assert re.search(r"step 2/8 .* \| GPU 81% \(min 81%\) \| mem 25% \| 55C \| 600W \| host CPU \d+% RAM \d+%", first)
+
+
+def test_validation_every_epoch_and_at_the_end(run):
+    run_dir, (first, second) = run
+    val = {r["step"]: r for r in read_jsonl(run_dir) if "val_loss" in r}
+    assert sorted(val) == [4, 8, 12]
+    for record in val.values():
+        assert record["val_loss"] > 0
+        for k in (1, 5, 10):
+            for direction in ("image_to_text", "text_to_image"):
+                assert 0 <= record[f"val_{direction}_recall@{k}"] <= 1
+        assert record["val_image_to_text_recall@1"] <= record["val_image_to_text_recall@10"]
+    assert "validation on 24 images at step 4: val_image_to_text_recall@1" in first
+    assert re.search(r"done: 12 steps in .*, val_image_to_text_recall@1 \d", second)
+
+
+def test_wandb_offline_holds_the_logged_scalars_and_a_resume_continues_the_same_run(run):
+    run_dir, _ = run
+    runs = offline_runs(run_dir)
+    assert len(runs) == 2
+    stored_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert [r["id"] for r in runs] == [stored_id, stored_id]
+    assert {(r["project"], r["name"]) for r in runs} == {("clip-jax-tests", "run")}
+    assert runs[0]["config"]["lr"] == 3e-3 and runs[0]["config"]["wandb_project"] == "clip-jax-tests"
+    history = {**runs[0]["history"], **runs[1]["history"]}
+    records = {}
+    for record in read_jsonl(run_dir):
+        records.setdefault(record["step"], {}).update(record)
+    assert sorted(history) == sorted(records)
+    for step, record in records.items():
+        for key, value in record.items():
+            if key != "step":
+                assert history[step][key] == pytest.approx(value, rel=1e-12), (step, key)
+
+
+def test_the_report_png_and_its_table_come_from_the_metrics_file(run, capsys, tmp_path):
+    run_dir, _ = run
+    output = tmp_path / "report.png"
+    assert report_lib.main([str(run_dir), "--output", str(output)]) == 0
+    with Image.open(output) as image:
+        assert image.format == "PNG" and image.width >= 800 and image.height >= 600
+    table = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:-1]}
+    records = read_jsonl(run_dir)
+    for name in ("loss", "learning_rate", "logit_scale", "samples_per_sec", "val_loss", "val_text_to_image_recall@5"):
+        values = [(r["step"], r[name]) for r in records if name in r]
+        step, first, last, low, high = table[name]
+        assert int(step) == values[-1][0]
+        assert [float(first), float(last), float(low), float(high)] == pytest.approx(
+            [values[0][1], values[-1][1], min(v for _, v in values), max(v for _, v in values)], rel=1e-5)
+    assert "mfu" not in table  # a CPU has no peak FLOPs to measure against: no panel, no row
+
+
+def test_the_report_of_a_folder_without_metrics_is_one_clear_error(tmp_path, capsys):
+    assert report_lib.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}/metrics.jsonl does not exist: give a run directory " \
+                                              "the trainer wrote (LOGS/NAME)"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"report_to": "wandb", "wandb_project": "team/clip"},
+     "wandb_project='team/clip' is not a W&B project name: it may not contain /"),
+    ({"report_to": "tensorboard,mlflow"}, "report_to='tensorboard,mlflow': 'mlflow' unknown"),
+    ({"logs": "s3://bucket/runs"}, "logs='s3://bucket/runs': remote run directories (s3://, gs://) are not "
+     "supported"),
+    ({"resume": "gs://bucket/runs/a"}, "resume='gs://bucket/runs/a': remote run directories"),
+    ({"val_frequency": -1}, "val_frequency=-1 must not be negative"),
+])
+def test_bad_settings_are_one_clear_line(overrides, message, tmp_path):
+    config = tiny_config(("x.tar", "m.json"), tmp_path)
+    config.update(overrides)
+    with pytest.raises(InvalidInput) as error:
+        check_config(config, num_devices=8)
+    problems = str(error.value).splitlines()[1:]
+    assert len(problems) == 1 and message in problems[0]
+
+
+def test_report_to_accepts_openclip_forms(tmp_path):
+    for value in ("none", "tensorboard", "wandb", "tensorboard,wandb", "wandb, tensorboard"):
+        check_config(tiny_config(("x.tar", "m.json"), tmp_path, report_to=value), num_devices=8)
