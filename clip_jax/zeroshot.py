@@ -4,10 +4,10 @@
         --mean 0.5 0.5 0.5 --std 0.5 0.5 0.5 --imagenet-val /data/imagenet/val --output metrics.json
 
 Datasets (any number of them): `--imagenet-val DIR` (class folders, OpenCLIP's layout; the 80 OpenAI templates),
-`--tfds NAME` (a prepared ArrayRecord TFDS dataset), `--demo` (Fashion-MNIST test, 10,000 images, its own prompts),
-`--retrieval PATTERN` (webdataset shards of images with captions), `--benchmark DIR` (a dataset in CLIP_benchmark's
-webdataset layout, or a collection folder of them). The batch is split over all devices; the table is printed and
-the metrics written as JSON.
+`--imagenet-v2 DIR` (ImageNet-V2's numbered class folders), `--tfds NAME` (a prepared ArrayRecord TFDS dataset),
+`--demo` (Fashion-MNIST test, 10,000 images, its own prompts), `--retrieval PATTERN` (webdataset shards of images
+with captions), `--benchmark DIR` (a dataset in CLIP_benchmark's webdataset layout, or a collection folder of them).
+The batch is split over all devices; the table is printed and the metrics written as JSON.
 
     python -m clip_jax.zeroshot --model ViT-L-14 --checkpoint run/ --benchmark /data/clip_benchmark \
         --output-dir results/
@@ -67,6 +67,8 @@ def classification_sets(args) -> list[ClassificationSet]:
     sets = []
     if args.imagenet_val:
         sets.append(open_classification_set("imagenet-val", args.imagenet_val, **options))
+    if args.imagenet_v2:
+        sets.append(open_classification_set("imagenet-v2", args.imagenet_v2, **options))
     if args.tfds:
         sets.append(open_classification_set("tfds", args.tfds, split=args.tfds_split, data_dir=args.tfds_data_dir,
                                             **options))
@@ -208,6 +210,8 @@ def parse_args(argv=None):
                         "(converted on the fly); without it a freshly initialised model")
     data = parser.add_argument_group("datasets")
     data.add_argument("--imagenet-val", metavar="DIR", help="image folder DIR/class_name/*.jpg")
+    data.add_argument("--imagenet-v2", metavar="DIR", help="ImageNet-V2's folder DIR/0/*.jpeg ... DIR/999/ "
+                      "(classes in numeric order)")
     data.add_argument("--tfds", metavar="NAME", help="a TFDS dataset prepared in ArrayRecord format")
     data.add_argument("--tfds-data-dir", metavar="DIR", help="TFDS data_dir holding --tfds")
     data.add_argument("--tfds-split", default="test", help="split of --tfds (ImageNet: validation)")
@@ -232,9 +236,9 @@ def parse_args(argv=None):
     data.add_argument("--pretrained-name", help="the 'pretrained' of the --benchmark records (default: the "
                       "checkpoint's file or folder name)")
     data.add_argument("--language", default="en", help="the 'language' of the --benchmark records")
-    data.add_argument("--class-names", metavar="FILE", help="class names for --imagenet-val / --tfds, in label "
+    data.add_argument("--class-names", metavar="FILE", help="class names for --imagenet-val/-v2 / --tfds, in label "
                       "order (JSON list or one per line)")
-    data.add_argument("--templates", help=f"prompt templates for --imagenet-val / --tfds: "
+    data.add_argument("--templates", help=f"prompt templates for --imagenet-val/-v2 / --tfds: "
                       f"{' or '.join(prompts_lib.TEMPLATE_SETS)} (default openai_imagenet), or a file (JSON list or "
                       "one per line, each with one '{}')")
     data.add_argument("--limit", type=int, help="evaluate only the first N images of each dataset")
@@ -254,9 +258,9 @@ def parse_args(argv=None):
     if args.datasets and not args.benchmark:
         parser.error("--datasets names CLIP_benchmark datasets to look up under the --benchmark folder(s); give "
                      "--benchmark ROOT")
-    if not (args.imagenet_val or args.tfds or args.demo or args.retrieval or args.benchmark):
-        parser.error("no dataset: give --imagenet-val DIR, --tfds NAME, --demo, --retrieval PATTERN and/or "
-                     "--benchmark DIR")
+    if not (args.imagenet_val or args.imagenet_v2 or args.tfds or args.demo or args.retrieval or args.benchmark):
+        parser.error("no dataset: give --imagenet-val DIR, --imagenet-v2 DIR, --tfds NAME, --demo, --retrieval "
+                     "PATTERN and/or --benchmark DIR")
     if min(args.recall_k) < 1:
         parser.error("--recall-k values must be at least 1")
     if args.limit is not None and args.limit < 1:

@@ -11,7 +11,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from clip_jax.evaluation import demo_set, sources
+from clip_jax.evaluation import datasets, demo_set, prompts, sources
 from clip_jax.evaluation.batches import classification_batches
 
 SIZE = 32
@@ -142,3 +142,34 @@ def test_the_demo_set_is_the_fashion_mnist_test_split_under_the_eval_transform()
     expected = _reference(Image.fromarray(item["image"]).convert("RGB"))
     np.testing.assert_allclose(batch["images"][0], expected, atol=1e-6)
     assert batch["labels"][0] == item["label"] and batch["valid"].all()
+
+
+def test_imagenet_v2s_numbered_folders_are_labels_in_numeric_order(tmp_path):
+    for label in range(12):  # text order would read 0, 1, 10, 11, 2, ...
+        (tmp_path / str(label)).mkdir()
+        _photo(30, 30, label).save(tmp_path / str(label) / f"{label}.png")
+    source = sources.ImageFolderSource(str(tmp_path))
+    assert source.numbered and source.class_names == tuple(str(i) for i in range(12))
+    for i in range(12):
+        item = source[i]
+        expected = (tmp_path / str(i) / f"{i}.png").read_bytes()
+        assert item["label"] == i and item["image"] == expected
+    named = datasets.open_classification_set("imagenet-v2", str(tmp_path), class_names=[f"c{i}" for i in range(12)])
+    assert named.name == "imagenet-v2" and named.class_names[10] == "c10"
+
+
+def test_imagenet_v2s_thousand_folders_get_imagenets_class_names():
+    names = prompts.readable_class_names([str(i) for i in range(1000)])
+    assert names == prompts.imagenet_class_names() and names[1] == "goldfish"
+    assert prompts.readable_class_names([str(i) for i in range(999)])[1] == "1"  # not ImageNet: kept
+
+
+def test_numbered_folders_with_a_gap_and_a_named_folder_as_imagenet_v2_are_refused(tmp_path):
+    for label in (0, 1, 3):
+        (tmp_path / "gap" / str(label)).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"numbered class folders .* missing \[2\]"):
+        sources.ImageFolderSource(str(tmp_path / "gap"))
+    (tmp_path / "named" / "cat").mkdir(parents=True)
+    _photo(30, 30, 0).save(tmp_path / "named" / "cat" / "a.png")
+    with pytest.raises(ValueError, match="not in ImageNet-V2's layout.*found e.g. 'cat'"):
+        datasets.open_classification_set("imagenet-v2", str(tmp_path / "named"))

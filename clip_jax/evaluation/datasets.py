@@ -4,6 +4,8 @@ Kinds (`open_classification_set`):
 - `imagenet-val`: an image folder `root/class_name/image.jpg`, classes in sorted folder order (OpenCLIP's
   `--imagenet-val`). Folders named by the 1000 ImageNet wnids get the curated ImageNet class names; other folders
   are named by their folder names unless class names are given.
+- `imagenet-v2`: ImageNet-V2's folder `root/0/` ... `root/999/` (classes in numeric order, ImageNet's names); an
+  `imagenet-val` folder named by numbers is read the same way.
 - `tfds`: a prepared TFDS dataset in ArrayRecord format, read without TensorFlow; class names from its label feature
   (ImageNet wnids again become the curated names).
 - `demo`: the Fashion-MNIST test split (10,000 images) with its own class names and prompts.
@@ -18,7 +20,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import prompts as prompts_lib
 from clip_jax.evaluation.sources import ArraySource, ImageFolderSource, TfdsSource
 
-KINDS = ("imagenet-val", "tfds", "demo")
+KINDS = ("imagenet-val", "imagenet-v2", "tfds", "demo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +68,13 @@ def _class_names(found: Sequence[str], given: Sequence[str] | None, where: str) 
 
 
 def image_folder_set(root: str, *, class_names: Sequence[str] | None = None,
-                     templates: Sequence[str] | None = None, name: str = "imagenet-val") -> ClassificationSet:
+                     templates: Sequence[str] | None = None, name: str = "imagenet-val",
+                     numbered: bool = False) -> ClassificationSet:
+    """`numbered`: the folder must have ImageNet-V2's numbered class folders."""
     source = ImageFolderSource(root)  # raises FileNotFoundError for a missing or empty folder
+    if numbered and not source.numbered:
+        raise InvalidInput(f"{root!r} is not in ImageNet-V2's layout: its class folders must be named 0 ... N-1 "
+                           f"(found e.g. {source.class_names[0]!r}); use --imagenet-val for named class folders")
     names = _class_names(source.class_names, class_names, f"image folder {root} (one per class folder)")
     templates = prompts_lib.templates("openai_imagenet") if templates is None else templates
     return ClassificationSet(name, source, names, prompts_lib.class_prompts(names, templates))
@@ -104,6 +111,8 @@ def open_classification_set(kind: str, location: str | None = None, **options) -
     if kind == "demo":
         return demo_set(**options) if location is None else demo_set(root=location, **options)
     if not location:
-        what = "an image folder" if kind == "imagenet-val" else "a TFDS dataset name"
+        what = "a TFDS dataset name" if kind == "tfds" else "an image folder"
         raise InvalidInput(f"zero-shot dataset {kind!r} needs {what}")
+    if kind == "imagenet-v2":
+        return image_folder_set(location, name="imagenet-v2", numbered=True, **options)
     return image_folder_set(location, **options) if kind == "imagenet-val" else tfds_set(location, **options)

@@ -42,9 +42,11 @@ def templates(name: str = "openai_imagenet") -> tuple[str, ...]:
 
 
 def readable_class_names(names: Sequence[str]) -> tuple[str, ...]:
-    """ImageNet's curated class names when `names` are its 1000 wnids in label order; otherwise `names`."""
+    """ImageNet's curated class names when `names` are its 1000 wnids in label order, or ImageNet-V2's folder
+    names `0` ... `999` (its label i is ImageNet's class i); otherwise `names`."""
     names = tuple(names)
-    return imagenet_class_names() if names == imagenet_wnids() else names
+    imagenet_v2 = tuple(str(i) for i in range(1000))
+    return imagenet_class_names() if names in (imagenet_wnids(), imagenet_v2) else names
 
 
 def check_templates(templates_: Sequence[str]) -> tuple[str, ...]:

@@ -25,15 +25,29 @@ FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".ti
 
 class ImageFolderSource(grain.sources.RandomAccessDataSource):
     """`root/class_name/image.jpg` (the layout of OpenCLIP's `--imagenet-val`): classes are the sorted folder
-    names, label `i` is `class_names[i]`. Items are `{"image": bytes, "label": int}`."""
+    names, label `i` is `class_names[i]`. Items are `{"image": bytes, "label": int}`.
+
+    Folders named by numbers only (ImageNet-V2's `0` ... `999`) are labels themselves: they are ordered by value
+    (text order would put `10` before `2`) and must be `0` ... `N-1`. `numbered` says which layout was found."""
 
     def __init__(self, root: str):
         if not os.path.isdir(root):
             raise MissingInput(f"image folder {root!r} does not exist")
         self.root = root
-        self.class_names = tuple(sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")))
-        if not self.class_names:
+        folders = [d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")]
+        if not folders:
             raise MissingInput(f"no class folders in {root!r}: expected root/class_name/image.jpg")
+        self.numbered = all(name.isdecimal() for name in folders)
+        if self.numbered:
+            labels = sorted(int(name) for name in folders)
+            if labels != list(range(len(labels))):
+                missing = sorted(set(range(labels[-1] + 1)) - set(labels))[:5]
+                raise InvalidInput(f"{root!r} has numbered class folders (ImageNet-V2's layout), which must be 0 ... "
+                                   f"N-1 and are not: missing {missing or [0]}; duplicates like '01' and '1' are "
+                                   "ambiguous too")
+            self.class_names = tuple(sorted(folders, key=int))
+        else:
+            self.class_names = tuple(sorted(folders))
         items = []
         for label, name in enumerate(self.class_names):
             for folder, _, files in sorted(os.walk(os.path.join(root, name))):
