@@ -251,6 +251,8 @@ def _with(tower, **keys):
     ({**_with("text_cfg", act_kwargs={"approximate": "tanh"}), "quick_gelu": True}, "QuickGELU takes no arguments"),
     ({**TINY, "init_logit_bias": "-10"}, "init_logit_bias='-10' (str) must be a number or null"),
     ({**TINY, "vision_cfg": [32]}, "vision_cfg must be a dict"),
+    (_with("vision_cfg", image_interpolation="bilinear"), "vision_cfg.image_interpolation='bilinear'"),
+    (_with("vision_cfg", image_resize_mode="squash"), "vision_cfg.image_resize_mode='squash'"),
 ])
 def test_bad_option_configs_name_the_key_before_anything_is_built(bad, message):
     with pytest.raises(ValueError) as info:

@@ -313,6 +313,18 @@ def _check_tower(cfg: Mapping[str, Any], known: Mapping[str, str], where: str) -
         _check_types(kwargs, schema, f"{where}.{key}")
 
 
+# The image preprocessing a vision_cfg may ask for, and what clip_jax's transforms do (clip_jax.data.transforms):
+# OpenCLIP's defaults. Anything else is refused, not silently preprocessed another way.
+_PREPROCESSING = {"image_interpolation": (None, "bicubic"), "image_resize_mode": (None, "shortest")}
+
+
+def _check_preprocessing(cfg: Mapping[str, Any], where: str) -> None:
+    for key, supported in _PREPROCESSING.items():
+        if cfg.get(key) not in supported:
+            raise InvalidInput(f"{where}.{key}={cfg[key]!r}: clip_jax's transforms resize {supported[1]!r} only "
+                               f"(omit the key or set {supported[1]!r})")
+
+
 def _block_from_open_clip(cfg: Mapping[str, Any]) -> BlockConfig:
     norm, act = cfg.get("norm_kwargs") or {}, cfg.get("act_kwargs") or {}
     flags = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc")
@@ -349,6 +361,7 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPC
             raise InvalidInput(f"model config {name!r}: {key} must be a dict, got {type(cfg[key]).__name__}")
     v, t = dict(cfg["vision_cfg"]), dict(cfg["text_cfg"])
     _check_tower(v, _VISION_KEYS, f"{name}: vision_cfg")
+    _check_preprocessing(v, f"{name}: vision_cfg")
     _check_tower(t, _TEXT_KEYS, f"{name}: text_cfg")
     try:
         v_width, t_width = v["width"], t["width"]
