@@ -31,6 +31,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.lock import LockSpec, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
+from clip_jax.models.config import require_vit
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
@@ -104,6 +105,7 @@ class StepSpec:
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
             object.__setattr__(self, "model", get_model_config(self._model_source()))
+        require_vit(self.model, "training (BatchNorm statistics in the train step)")
         get_policy(self.precision)  # fails on a bad name
         if self.attention_impl not in ("xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
