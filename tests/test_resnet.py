@@ -241,11 +241,14 @@ def test_train_mode_batch_statistics_equal_open_clips(tiny_torch):
 # What is not built for ResNet towers is refused by name
 
 
-def test_training_a_resnet_model_is_refused():
+def test_a_training_run_of_a_resnet_model_is_refused():
+    from clip_jax.config import default_config
     from clip_jax.step_factory import StepSpec
 
-    with pytest.raises(InvalidInput, match="RN50: training .* evaluation/conversion only"):
-        StepSpec("RN50")
+    config = default_config()
+    config.model = "RN50"
+    with pytest.raises(InvalidInput, match="RN50: a training run .* evaluation/conversion only"):
+        StepSpec.from_config(config, platform="cpu")
 
 
 @pytest.mark.parametrize("entry", ["flops", "pretrained", "inference", "export"])

@@ -126,8 +126,8 @@ class CLIP(nn.Module):
             features = x @ self.text_projection.astype(self.dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
-    def __call__(self, images, tokens, kept_patches=None):
-        outputs = (self.encode_image(images, kept_patches=kept_patches), self.encode_text(tokens),
+    def __call__(self, images, tokens, kept_patches=None, train: bool = False):
+        outputs = (self.encode_image(images, kept_patches=kept_patches, train=train), self.encode_text(tokens),
                    jnp.exp(self.logit_scale.astype(jnp.float32)))
         if self.config.init_logit_bias is None:
             return outputs
