@@ -120,7 +120,7 @@ class StepSpec:
             raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
         if is_resnet(self.model):
             _check_resnet_step(self)
-        if self.patch_dropout is not None:
+        if self.patch_dropout is not None and not is_resnet(self.model):  # a ResNet's is 0: refused above if not
             vision = dataclasses.replace(self.model.vision, patch_dropout=float(self.patch_dropout))  # checks it
             object.__setattr__(self, "model", dataclasses.replace(self.model, vision=vision))
 
@@ -163,6 +163,7 @@ def _check_resnet_step(spec: StepSpec) -> None:
     """What the step of a ResNet image tower (BatchNorm statistics in the train state) is not built with."""
     refused = [what for what, on in (("fsdp", spec.fsdp), (f"accum_steps={spec.accum_steps}", spec.accum_steps > 1),
                                      ("a locked tower", spec.lock.any),
+                                     (f"remat_policy={spec.remat_policy!r}", spec.remat_policy != "none"),
                                      (f"patch_dropout={spec.patch_dropout}", bool(spec.patch_dropout))) if on]
     if refused:
         raise InvalidInput(f"{spec.model.name}: a ResNet image tower's train step is built without "

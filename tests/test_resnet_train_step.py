@@ -143,7 +143,7 @@ def test_a_checkpoint_restores_batch_stats(eight_devices, tmp_path):
 
 @pytest.mark.parametrize("options, named", [
     ({"fsdp": True}, "fsdp"), ({"accum_steps": 2}, "accum_steps=2"), ({"lock": LockSpec(image=True)}, "locked"),
-    ({"patch_dropout": 0.5}, "patch_dropout=0.5"),
+    ({"patch_dropout": 0.5}, "patch_dropout=0.5"), ({"remat_policy": "nothing_saveable"}, "remat_policy"),
 ])
 def test_what_the_resnet_step_is_not_built_with_is_refused(options, named):
     with pytest.raises(InvalidInput, match=named):
