@@ -1,7 +1,10 @@
 """OpenCLIP <-> clip_jax weights.
 
 `from_open_clip(state_dict, model)` turns an OpenCLIP state_dict (numpy values) into clip_jax params;
-`to_open_clip(params, model)` goes back. Both are exact: transposes and stacking only. The command line
+`to_open_clip(params, model)` goes back. Both are exact: transposes and stacking only. A model with a ResNet image
+tower also has BatchNorm statistics (`running_mean`, `running_var`, `num_batches_tracked`), which clip_jax keeps in
+the `batch_stats` collection beside `params`: `variables_from_open_clip` / `variables_to_open_clip` convert both
+collections (and work for any model). The command line
 
     python -m clip_jax.convert SRC DST --model ViT-L-14
 
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config
+from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config, is_resnet
 
 # Layouts: a clip_jax leaf is the OpenCLIP tensor with its axes permuted.
 _SAME = None
@@ -37,6 +40,11 @@ class _Entry:
     path: tuple[str, ...]  # clip_jax path
     axes: tuple[int, ...] | None  # permutation from OpenCLIP's layout to ours
     layers: int = 0  # > 0: one OpenCLIP tensor per layer, stacked on a leading axis in clip_jax
+    collection: str = "params"  # the Flax variable collection the leaf lives in
+
+    @property
+    def full_path(self) -> tuple[str, ...]:
+        return (self.collection,) + self.path
 
     def open_clip_keys(self) -> list[str]:
         return [self.key.format(i=i) for i in range(self.layers)] if self.layers else [self.key]
@@ -85,9 +93,41 @@ def _text_projection_entries(config: CLIPConfig, prefix: str) -> list[_Entry]:
     return [_Entry(f"{prefix}text_projection", ("text_projection",), _SAME)]
 
 
-def _entries(config: CLIPConfig) -> list[_Entry]:
-    v, vb, tb = ("visual",), config.vision.block, config.text.block
-    t = "text." if config.custom_text else ""  # OpenCLIP's CustomTextCLIP keeps the text tower under `text.`
+def _batch_norm_entries(key: str, path: tuple[str, ...]) -> list[_Entry]:
+    """A BatchNorm2d: its affine params, and its running statistics in the `batch_stats` collection."""
+    return [_Entry(f"{key}.weight", path + ("scale",), _SAME), _Entry(f"{key}.bias", path + ("bias",), _SAME),
+            *(_Entry(f"{key}.{name}", path + (ours,), _SAME, collection="batch_stats")
+              for name, ours in (("running_mean", "mean"), ("running_var", "var"),
+                                 ("num_batches_tracked", "num_batches_tracked")))]
+
+
+def _resnet_entries(config: CLIPConfig) -> list[_Entry]:
+    """OpenCLIP's ModifiedResNet: stem, `layer{1-4}.{i}` bottlenecks (the first of each with a `downsample`
+    shortcut: every stage changes the width), attention pool."""
+    v = ("visual",)
+    conv = lambda key, path: _Entry(f"{key}.weight", path + ("kernel",), _CONV)  # noqa: E731
+    entries = []
+    for i in (1, 2, 3):
+        entries += [conv(f"visual.conv{i}", v + (f"conv{i}",)), *_batch_norm_entries(f"visual.bn{i}", v + (f"bn{i}",))]
+    for stage, blocks in enumerate(config.vision.layers, start=1):
+        for block in range(blocks):
+            key, path = f"visual.layer{stage}.{block}", v + (f"layer{stage}", str(block))
+            for i in (1, 2, 3):
+                entries += [conv(f"{key}.conv{i}", path + (f"conv{i}",)),
+                            *_batch_norm_entries(f"{key}.bn{i}", path + (f"bn{i}",))]
+            if block == 0:
+                entries += [conv(f"{key}.downsample.0", path + ("downsample_conv",)),
+                            *_batch_norm_entries(f"{key}.downsample.1", path + ("downsample_bn",))]
+    pool, pool_path = "visual.attnpool", v + ("attnpool",)
+    entries.append(_Entry(f"{pool}.positional_embedding", pool_path + ("positional_embedding",), _SAME))
+    for proj in ("q_proj", "k_proj", "v_proj", "c_proj"):
+        entries += [_Entry(f"{pool}.{proj}.weight", pool_path + (proj, "kernel"), _LINEAR),
+                    _Entry(f"{pool}.{proj}.bias", pool_path + (proj, "bias"), _SAME)]
+    return entries
+
+
+def _vit_entries(config: CLIPConfig) -> list[_Entry]:
+    v, vb = ("visual",), config.vision.block
     return [
         _Entry("visual.conv1.weight", v + ("conv1", "kernel"), _CONV),
         _Entry("visual.class_embedding", v + ("class_embedding",), _SAME),
@@ -96,6 +136,14 @@ def _entries(config: CLIPConfig) -> list[_Entry]:
         *_block_entries("visual.", v, config.vision.layers, vb),
         *_norm_entries("visual.ln_post", v + ("ln_post",), vb),
         _Entry("visual.proj", v + ("proj",), _SAME),
+    ]
+
+
+def _entries(config: CLIPConfig) -> list[_Entry]:
+    tb = config.text.block
+    t = "text." if config.custom_text else ""  # OpenCLIP's CustomTextCLIP keeps the text tower under `text.`
+    return [
+        *(_resnet_entries(config) if is_resnet(config) else _vit_entries(config)),
         _Entry(f"{t}token_embedding.weight", ("token_embedding", "embedding"), _SAME),
         *([_Entry(f"{t}cls_emb", ("cls_emb",), _SAME)] if config.text.embed_cls else []),
         _Entry(f"{t}positional_embedding", ("positional_embedding",), _SAME),
@@ -107,13 +155,15 @@ def _entries(config: CLIPConfig) -> list[_Entry]:
     ]
 
 
-def _params_shapes(config: CLIPConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """clip_jax parameter shapes by path, traced abstractly (nothing is allocated)."""
+def _variable_shapes(config: CLIPConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """clip_jax variable shapes by path, the collection first (`params`, `batch_stats`), traced abstractly
+    (nothing is allocated)."""
     import jax
 
-    from clip_jax.models.clip import create_model, param_shapes
+    from clip_jax.models.clip import create_model, init_variables
 
-    tree = param_shapes(create_model(config))
+    model = create_model(config)
+    tree = jax.eval_shape(lambda rng: init_variables(model, rng), jax.random.key(0))
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -128,10 +178,10 @@ def _permute_shape(shape, axes):
 def open_clip_shapes(name_or_config) -> dict[str, tuple[int, ...]]:
     """The state_dict an OpenCLIP model of this config has: key -> shape."""
     config = get_model_config(name_or_config)
-    ours = _params_shapes(config)
+    ours = _variable_shapes(config)
     shapes = {}
     for entry in _entries(config):
-        shape = ours[entry.path][1:] if entry.layers else ours[entry.path]
+        shape = ours[entry.full_path][1:] if entry.layers else ours[entry.full_path]
         for key in entry.open_clip_keys():
             shapes[key] = _permute_shape(shape, _inverse(entry.axes))
     return shapes
@@ -159,7 +209,23 @@ def _strip_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float32) -> dict:
     """clip_jax params (nested dict of numpy arrays in `dtype`; None keeps the checkpoint's dtypes) from an
-    OpenCLIP state_dict whose values are numpy arrays. A `module.` prefix is accepted."""
+    OpenCLIP state_dict whose values are numpy arrays. A `module.` prefix is accepted. A ResNet model has
+    BatchNorm statistics besides its params: `variables_from_open_clip` converts both."""
+    config = get_model_config(name_or_config)
+    _refuse_resnet(config, "from_open_clip", "variables_from_open_clip")
+    return variables_from_open_clip(state_dict, config, dtype)["params"]
+
+
+def _refuse_resnet(config: CLIPConfig, what: str, instead: str) -> None:
+    if is_resnet(config):
+        raise InvalidInput(f"{config.name} has a ResNet image tower, whose BatchNorm statistics are not params: "
+                           f"{what} converts params only; use {instead} (both collections)")
+
+
+def variables_from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float32) -> dict:
+    """clip_jax variables from an OpenCLIP state_dict (numpy values): `{"params": ...}`, and `"batch_stats"` (each
+    BatchNorm's `mean`, `var` and `num_batches_tracked`, the last int32) for a ResNet image tower. Floating leaves
+    are cast to `dtype` (None keeps the checkpoint's dtypes); a `module.` prefix is accepted."""
     config = get_model_config(name_or_config)
     state_dict = {k: _scalar_head(k, v) for k, v in _strip_prefix(state_dict).items() if k not in _METADATA_KEYS}
     expected = open_clip_shapes(config)
@@ -170,17 +236,20 @@ def from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtype=np.float
     if missing or unexpected or misshaped:
         raise InvalidInput(_describe_mismatch(config, missing, unexpected, misshaped, "OpenCLIP state_dict"))
 
-    params: dict = {}
+    variables: dict = {}
     for entry in _entries(config):
         layers = [np.asarray(state_dict[k]) for k in entry.open_clip_keys()]
         layers = [x if entry.axes is None else np.transpose(x, entry.axes) for x in layers]
         leaf = np.stack(layers) if entry.layers else layers[0]
-        leaf = np.array(leaf, dtype=dtype, order="C")  # a copy; np.ascontiguousarray would turn () into (1,)
-        node = params
-        for name in entry.path[:-1]:
+        if np.issubdtype(leaf.dtype, np.integer):  # a BatchNorm's update counter (int64 in torch)
+            leaf = np.array(leaf, dtype=np.int32)
+        else:
+            leaf = np.array(leaf, dtype=dtype, order="C")  # a copy; np.ascontiguousarray would turn () into (1,)
+        node = variables
+        for name in entry.full_path[:-1]:
             node = node.setdefault(name, {})
-        node[entry.path[-1]] = leaf
-    return params
+        node[entry.full_path[-1]] = leaf
+    return variables
 
 
 def _scalar_head(key: str, value):
@@ -199,24 +268,37 @@ def _flatten(params, prefix=()) -> dict[tuple[str, ...], Any]:
 
 
 def to_open_clip(params, name_or_config) -> dict[str, np.ndarray]:
-    """An OpenCLIP state_dict (numpy values, the params' dtypes) from clip_jax params."""
+    """An OpenCLIP state_dict (numpy values, the params' dtypes) from clip_jax params (of a ViT model; a ResNet
+    model's BatchNorm statistics need `variables_to_open_clip`)."""
     config = get_model_config(name_or_config)
-    flat = {path: np.asarray(leaf) for path, leaf in _flatten(params).items()}
-    expected = _params_shapes(config)
-    missing = ["/".join(p) for p in expected if p not in flat]
-    unexpected = ["/".join(p) for p in flat if p not in expected]
-    misshaped = [f"{'/'.join(p)} {flat[p].shape} (expected {expected[p]})"
+    _refuse_resnet(config, "to_open_clip", "variables_to_open_clip")
+    return variables_to_open_clip({"params": params}, config)
+
+
+def variables_to_open_clip(variables, name_or_config) -> dict[str, np.ndarray]:
+    """An OpenCLIP state_dict (numpy values) from clip_jax variables (`params`, and `batch_stats` for a ResNet image
+    tower): the leaves' dtypes, but `num_batches_tracked` int64 as torch keeps it."""
+    config = get_model_config(name_or_config)
+    flat = {path: np.asarray(leaf) for path, leaf in _flatten(variables).items()}
+    expected = _variable_shapes(config)
+    # a ViT model has params only: its paths are named as in the params tree
+    show = (lambda p: "/".join(p)) if is_resnet(config) else (lambda p: "/".join(p[1:] if p[0] == "params" else p))
+    missing = [show(p) for p in expected if p not in flat]
+    unexpected = [show(p) for p in flat if p not in expected]
+    misshaped = [f"{show(p)} {flat[p].shape} (expected {expected[p]})"
                  for p in expected if p in flat and flat[p].shape != expected[p]]
     if missing or unexpected or misshaped:
-        raise InvalidInput(_describe_mismatch(config, missing, unexpected, misshaped, "clip_jax params"))
+        what = "clip_jax variables" if is_resnet(config) else "clip_jax params"
+        raise InvalidInput(_describe_mismatch(config, missing, unexpected, misshaped, what))
 
     state_dict = {}
     for entry in _entries(config):
-        leaf = flat[entry.path]
+        leaf = flat[entry.full_path]
         pieces = list(leaf) if entry.layers else [leaf]
         for key, piece in zip(entry.open_clip_keys(), pieces):
             piece = piece if entry.axes is None else np.transpose(piece, _inverse(entry.axes))
-            state_dict[key] = np.array(piece, order="C")
+            state_dict[key] = np.array(piece, dtype=np.int64 if np.issubdtype(piece.dtype, np.integer) else None,
+                                       order="C")
     return state_dict
 
 
@@ -225,7 +307,8 @@ def to_open_clip(params, name_or_config) -> dict[str, np.ndarray]:
 
 
 def save_params(path: str, params) -> None:
-    """clip_jax params as an `.npz` of '/'-joined paths."""
+    """clip_jax params (or any nested dict of arrays, such as a ResNet model's variables) as an `.npz` of
+    '/'-joined paths."""
     if not path.endswith(".npz"):
         raise InvalidInput(f"clip_jax params are written as .npz; got {path}")
     np.savez(path, **{"/".join(p): np.asarray(v) for p, v in _flatten(params).items()})
@@ -234,21 +317,41 @@ def save_params(path: str, params) -> None:
 def load_params(path: str, name_or_config=None) -> dict:
     """clip_jax params from an `.npz` written by `save_params`, or converted on the fly from an OpenCLIP checkpoint
     (which needs `name_or_config`)."""
+    if name_or_config is not None:
+        _refuse_resnet(get_model_config(name_or_config), "load_params", "load_variables")
     arrays = read_arrays(path)
     if _is_clip_jax(arrays):
-        params: dict = {}
-        for key, value in arrays.items():
-            *parents, leaf = key.split("/")
-            node = params
-            for name in parents:
-                node = node.setdefault(name, {})
-            node[leaf] = value
+        params = _unflatten(arrays)
         if name_or_config is not None:
             to_open_clip(params, name_or_config)  # validates the tree against the model, naming any bad key
         return params
     if name_or_config is None:
         raise InvalidInput(f"{path} holds an OpenCLIP state_dict; pass the model name to convert it")
     return from_open_clip(arrays, name_or_config)
+
+
+def load_variables(path: str, name_or_config) -> dict:
+    """clip_jax variables (`params`, and `batch_stats` for a ResNet image tower) from an `.npz` written by
+    `save_params` (a variables tree, or a ViT model's params), or converted from an OpenCLIP checkpoint."""
+    config = get_model_config(name_or_config)
+    arrays = read_arrays(path)
+    if not _is_clip_jax(arrays):
+        return variables_from_open_clip(arrays, config)
+    tree = _unflatten(arrays)
+    variables = tree if "params" in tree else {"params": tree}
+    variables_to_open_clip(variables, config)  # validates the tree against the model, naming any bad key
+    return variables
+
+
+def _unflatten(arrays: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in arrays.items():
+        *parents, leaf = key.split("/")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
 
 
 def _is_clip_jax(arrays: Mapping[str, Any]) -> bool:
@@ -313,10 +416,12 @@ def main(argv=None) -> int:
     try:
         arrays = read_arrays(args.src)
         if _is_clip_jax(arrays):
-            write_open_clip(args.dst, to_open_clip(load_params(args.src), args.model))
+            write_open_clip(args.dst, variables_to_open_clip(load_variables(args.src, args.model), args.model))
             direction = "clip_jax -> OpenCLIP"
         else:
-            save_params(args.dst, from_open_clip(arrays, args.model))
+            variables = variables_from_open_clip(arrays, args.model)
+            # a ViT model's file holds its params alone; a ResNet model's, both collections under their names
+            save_params(args.dst, variables if is_resnet(get_model_config(args.model)) else variables["params"])
             direction = "OpenCLIP -> clip_jax"
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import os
 import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
+from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg, require_vit
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained, read_run_config,
                                  run_directory)
@@ -46,6 +46,7 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> N
     """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed)."""
     from clip_jax.convert import to_open_clip, write_open_clip
 
+    require_vit(model, "export")
     state_dict = to_open_clip(params, model)
     os.makedirs(out_dir, exist_ok=True)
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)

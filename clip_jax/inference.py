@@ -98,6 +98,7 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
     import jax.numpy as jnp
 
     from clip_jax.models import create_model, get_model_config, init_params
+    from clip_jax.models.config import require_vit
     from clip_jax.pretrained import export_model_config, load_pretrained
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
@@ -108,6 +109,7 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
         config = _pretrained_model_config(pretrained)
     else:
         config = get_model_config(name_or_config)
+    require_vit(config, "create_model_and_transforms (params without BatchNorm statistics)")
     model = create_model(config, dtype=jnp.float32 if dtype is None else dtype)
     params = init_params(model, jax.random.key(seed)) if pretrained is None else load_pretrained(pretrained, config)
     saved = saved_preprocessing(pretrained)

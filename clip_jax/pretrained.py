@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config
+from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config, require_vit
 
 EXPORT_CONFIG = "open_clip_config.json"
 EXPORT_WEIGHTS = "open_clip_model.safetensors"
@@ -149,6 +149,7 @@ def load_pretrained(path: str, name_or_config) -> dict:
     from clip_jax.convert import _is_clip_jax, from_open_clip, load_params, read_arrays
 
     config = get_model_config(name_or_config)
+    require_vit(config, "load_pretrained (a pretrained start)")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise MissingInput(f"pretrained weights {path} do not exist")

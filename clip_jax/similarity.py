@@ -18,6 +18,7 @@ from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
 from clip_jax.errors import UserError
 from clip_jax.models import create_model, init_params
+from clip_jax.models.config import require_vit
 from clip_jax.tokenizer import tokenize
 
 
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
 
     try:
         model = create_model(args.model)
+        require_vit(model.config, "the similarity demo")
         grey, labels = fashion_mnist.load("test", args.data_dir)
         params = load_params(args.checkpoint, args.model) if args.checkpoint else None
     except UserError as e:

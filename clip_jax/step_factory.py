@@ -30,7 +30,8 @@ from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
 from clip_jax.lock import LockSpec, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
-from clip_jax.models import CLIPConfig, create_model, get_model_config, init_params, param_shapes
+from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
+from clip_jax.models.config import require_vit
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
@@ -117,7 +118,9 @@ class StepSpec:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.telemetry_every < 0:
             raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
-        if self.patch_dropout is not None:
+        if is_resnet(self.model):
+            _check_resnet_step(self)
+        if self.patch_dropout is not None and not is_resnet(self.model):  # a ResNet's is 0: refused above if not
             vision = dataclasses.replace(self.model.vision, patch_dropout=float(self.patch_dropout))  # checks it
             object.__setattr__(self, "model", dataclasses.replace(self.model, vision=vision))
 
@@ -131,6 +134,7 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
+        require_vit(get_model_config(config.model), "a training run (the trainer, the planner)")
         optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup,
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
@@ -153,6 +157,23 @@ class StepSpec:
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
+
+
+def _check_resnet_step(spec: StepSpec) -> None:
+    """What the step of a ResNet image tower (BatchNorm statistics in the train state) is not built with."""
+    refused = [what for what, on in (("fsdp", spec.fsdp), (f"accum_steps={spec.accum_steps}", spec.accum_steps > 1),
+                                     ("a locked tower", spec.lock.any),
+                                     (f"remat_policy={spec.remat_policy!r}", spec.remat_policy != "none"),
+                                     (f"patch_dropout={spec.patch_dropout}", bool(spec.patch_dropout))) if on]
+    if refused:
+        raise InvalidInput(f"{spec.model.name}: a ResNet image tower's train step is built without "
+                           f"{', '.join(refused)}; leave them out")
+
+
+def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """A freshly initialised train state: params, optimizer state and (a ResNet image tower) batch_stats."""
+    variables = init_variables(model, rng)
+    return init_train_state(variables["params"], optimizer, variables.get("batch_stats"))
 
 
 def model_at_image_size(config) -> CLIPConfig:
@@ -202,13 +223,17 @@ class Step:
     def init(self, seed: int | jax.Array) -> TrainState:
         """A fresh train state, initialised directly in its shardings: no device ever holds more than its part."""
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        init = lambda rng: init_train_state(init_params(self.model, rng), self.optimizer)  # noqa: E731
+        init = lambda rng: fresh_train_state(self.model, self.optimizer, rng)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(rng)
 
-    def state_from_params(self, params) -> TrainState:
-        """The train state of existing weights (fresh optimizer state, step 0), laid out on the mesh."""
-        init = lambda params: init_train_state(params, self.optimizer)  # noqa: E731
-        return jax.jit(init, out_shardings=self.shardings)(params)
+    def state_from_params(self, params, batch_stats=None) -> TrainState:
+        """The train state of existing weights (fresh optimizer state, step 0), laid out on the mesh; a ResNet
+        image tower's also needs its BatchNorm statistics."""
+        if (batch_stats is None) != (self.abstract_state.batch_stats is None):
+            raise InvalidInput(f"{self.spec.model.name}: batch_stats are needed exactly when the image tower is a "
+                               "ResNet (its BatchNorm statistics)")
+        init = lambda params, stats: init_train_state(params, self.optimizer, stats)  # noqa: E731
+        return jax.jit(init, out_shardings=self.shardings)(params, batch_stats)
 
     def abstract_batch(self, per_device_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as the data pipeline delivers it, split over the mesh."""
@@ -245,7 +270,7 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     learning_rate_fn = spec.optimizer.learning_rate_fn()
     optimizer = locked_optimizer(spec.optimizer.create(learning_rate_fn), spec.lock, spec.model.vision.layers,
                                  spec.model.text.layers)
-    shapes = jax.eval_shape(lambda rng: init_train_state(init_params(model, rng), optimizer), jax.random.key(0))
+    shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng), jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)

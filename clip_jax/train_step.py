@@ -16,6 +16,12 @@ Patch dropout (`patch_dropout > 0`): the step draws the patches each sample keep
 micro-batches with the images, so phases 1 and 3 drop the same patches, and a sample keeps the same patches
 whatever the accumulation or the device count. The key is a function of the run's seed and the step counter only:
 no RNG state is saved, and a resumed run draws the same patches at the same step.
+
+BatchNorm (a ResNet image tower): the forward runs in train mode and normalises with the statistics of the whole
+global batch, not of each device's part. Inside this jitted GSPMD step a mean over the batch axis of a batch split
+over the devices is an all-reduce that XLA inserts, so the statistics, the loss and the gradients do not depend on
+the device count (OpenCLIP under plain DDP normalises per device instead; SyncBatchNorm is the global choice there).
+The updated running statistics are the state's `batch_stats`, kept from before the step when it is skipped.
 """
 
 from collections.abc import Callable
@@ -29,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clip_jax.loss import LOSSES
+from clip_jax.models.config import is_resnet
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.optim import clamp_logit_scale
 from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
@@ -41,10 +48,11 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     step: jax.Array  # int32 scalar: batches consumed (updates applied, or skipped as non-finite)
+    batch_stats: Any = None  # BatchNorm's running statistics (a ResNet image tower); None: the model has none
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+def init_train_state(params, optimizer: optax.GradientTransformation, batch_stats=None) -> TrainState:
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), batch_stats)
 
 
 def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
@@ -157,6 +165,21 @@ def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch):
     return loss, accuracy, logit_params, grads
 
 
+def batch_norm_grads(model, loss_fn: Callable, params, batch, batch_stats):
+    """(loss, accuracy, logit_params, grads, new batch_stats) from one forward in train mode, BatchNorm on the
+    batch's statistics (those of the global batch: see the module docstring), and its backward."""
+
+    def loss_on_params(params):
+        (image_features, text_features, *logit_params), updated = model.apply(
+            {"params": params, "batch_stats": batch_stats}, batch["images"], batch["tokens"], train=True,
+            mutable=["batch_stats"])
+        loss, accuracy = loss_fn(image_features, text_features, *logit_params)
+        return loss, (accuracy, tuple(logit_params), updated["batch_stats"])
+
+    (loss, (accuracy, logit_params, new_stats)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
+    return loss, accuracy, logit_params, grads, new_stats
+
+
 def accumulated_grads(
     forward: Callable, loss_fn: Callable, params, batch, *, accum_steps: int, mesh: Mesh, grad_shardings
 ):
@@ -252,7 +275,13 @@ def make_train_step(
             logit_bias = ()
         return loss_function(image_features, text_features, logit_scale, *logit_bias, mesh=mesh)
 
-    if accum_steps == 1:
+    batch_norm = is_resnet(model.config)
+    if batch_norm and (accum_steps > 1 or fsdp or freeze is not None or patch_dropout > 0):
+        raise ValueError("a ResNet image tower's train step runs without accumulation, FSDP, locking and patch "
+                         "dropout (StepSpec refuses them)")
+    if batch_norm:
+        compute_grads = partial(batch_norm_grads, model, loss_fn)
+    elif accum_steps == 1:
         compute_grads = partial(full_batch_grads, forward, loss_fn)
     else:
         compute_grads = partial(
@@ -279,7 +308,10 @@ def make_train_step(
             )
         if patch_dropout > 0:
             batch = {**batch, "kept_patches": step_kept_patches(state.step, batch_size)}
-        loss, accuracy, logit_params, grads = compute_grads(state.params, batch)
+        if batch_norm:
+            loss, accuracy, logit_params, grads, batch_stats = compute_grads(state.params, batch, state.batch_stats)
+        else:
+            (loss, accuracy, logit_params, grads), batch_stats = compute_grads(state.params, batch), None
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
         grad_norm = global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -287,8 +319,9 @@ def make_train_step(
         # A non-finite loss or gradient skips the update: params and optimizer state stay as they were. The
         # step still counts (it consumed a batch); the trainer counts skips and decides when to roll back.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, batch_stats = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                                      (params, opt_state, batch_stats),
+                                                      (state.params, state.opt_state, state.batch_stats))
         metrics = {
             "loss": loss,
             "accuracy": accuracy,
@@ -302,7 +335,7 @@ def make_train_step(
         if telemetry is not None:
             # the state after the step: the donated old params, read here, would have to be copied first
             metrics["telemetry"] = telemetry(state.step, grads, updates, opt_state, params)
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return TrainState(params, opt_state, state.step + 1, batch_stats), metrics
 
     return jax.jit(
         step,

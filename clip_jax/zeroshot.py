@@ -39,6 +39,7 @@ from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.models import create_model, init_params
+from clip_jax.models.config import require_vit
 from clip_jax.parallel import create_mesh
 from clip_jax.inference import saved_preprocessing
 from clip_jax.pretrained import load_pretrained
@@ -160,6 +161,7 @@ def run(args) -> dict:
     args.mean = tuple(args.mean or saved.get("mean") or OPENAI_MEAN)
     args.std = tuple(args.std or saved.get("std") or OPENAI_STD)
     model = create_model(args.model, dtype=args.compute_dtype)
+    require_vit(model.config, "zero-shot evaluation")
     check_vocabulary(model)
     mesh = create_mesh()
     datasets = classification_sets(args)

@@ -1,13 +1,13 @@
 """OpenCLIP-identical CLIP models in Flax linen."""
 
-from clip_jax.models.clip import (CLIP, count_params, create_model, dummy_inputs, init_params, l2_normalize,
-                                  param_shapes)
-from clip_jax.models.config import (BlockConfig, CLIPConfig, TextConfig, VisionConfig, get_model_config, list_models,
-                                    open_clip_model_cfg)
+from clip_jax.models.clip import (CLIP, count_params, create_model, dummy_inputs, init_params, init_variables,
+                                  l2_normalize, param_shapes)
+from clip_jax.models.config import (BlockConfig, CLIPConfig, ResNetVisionConfig, TextConfig, VisionConfig,
+                                    get_model_config, is_resnet, list_models, open_clip_model_cfg)
 from clip_jax.models.layers import remat_policy_names
 
 __all__ = [
-    "BlockConfig", "CLIP", "CLIPConfig", "TextConfig", "VisionConfig", "count_params", "create_model", "dummy_inputs",
-    "get_model_config", "init_params", "l2_normalize", "list_models", "open_clip_model_cfg", "param_shapes",
-    "remat_policy_names",
+    "BlockConfig", "CLIP", "CLIPConfig", "ResNetVisionConfig", "TextConfig", "VisionConfig", "count_params",
+    "create_model", "dummy_inputs", "get_model_config", "init_params", "init_variables", "is_resnet", "l2_normalize",
+    "list_models", "open_clip_model_cfg", "param_shapes", "remat_policy_names",
 ]

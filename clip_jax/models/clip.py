@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
-from clip_jax.models.config import CLIPConfig, get_model_config
+from clip_jax.models.config import CLIPConfig, get_model_config, is_resnet
 from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, Transformer, resolve_remat_policy, tower_norm
+from clip_jax.models.resnet import ModifiedResNet
 from clip_jax.models.vit import VisionTransformer
 
 
@@ -61,8 +62,12 @@ class CLIP(nn.Module):
 
     def setup(self):
         cfg, text = self.config, self.config.text
-        self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype, self.param_dtype,
-                                        self.remat_policy, self.attention_impl, self.layer_params_hook)
+        if is_resnet(cfg):  # its BatchNorm statistics are the `batch_stats` collection
+            self.visual = ModifiedResNet(cfg.vision, cfg.embed_dim, self.dtype, self.param_dtype)
+        else:
+            self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
+                                            self.param_dtype, self.remat_policy, self.attention_impl,
+                                            self.layer_params_hook)
         self.token_embedding = nn.Embed(text.vocab_size, text.width, dtype=self.dtype, param_dtype=self.param_dtype,
                                         embedding_init=nn.initializers.normal(0.02))
         if text.embed_cls:
@@ -87,8 +92,11 @@ class CLIP(nn.Module):
             self.logit_bias = self.param("logit_bias", nn.initializers.constant(cfg.init_logit_bias), (),
                                          self.param_dtype)
 
-    def encode_image(self, images, normalize: bool = True, kept_patches=None):  # [B, H, W, 3] -> [B, E]
-        features = self.visual(images, kept_patches)
+    def encode_image(self, images, normalize: bool = True, kept_patches=None, train: bool = False):
+        """[B, H, W, 3] -> [B, E]. `train`: a ResNet tower's BatchNorm runs on batch statistics (and updates the
+        running ones when `batch_stats` is mutable); a ViT has no train-only path here."""
+        features = self.visual(images, kept_patches, train) if is_resnet(self.config) else \
+            self.visual(images, kept_patches)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def encode_text(self, tokens, normalize: bool = True):  # [B, L] int -> [B, E]
@@ -118,8 +126,8 @@ class CLIP(nn.Module):
             features = x @ self.text_projection.astype(self.dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
-    def __call__(self, images, tokens, kept_patches=None):
-        outputs = (self.encode_image(images, kept_patches=kept_patches), self.encode_text(tokens),
+    def __call__(self, images, tokens, kept_patches=None, train: bool = False):
+        outputs = (self.encode_image(images, kept_patches=kept_patches, train=train), self.encode_text(tokens),
                    jnp.exp(self.logit_scale.astype(jnp.float32)))
         if self.config.init_logit_bias is None:
             return outputs
@@ -154,7 +162,13 @@ def dummy_inputs(config: CLIPConfig, batch_size: int = 1):
 
 def init_params(model: CLIP, rng: jax.Array) -> dict:
     """Freshly initialised parameters (leaves in the model's `param_dtype`)."""
-    return jax.jit(model.init)(rng, *dummy_inputs(model.config))["params"]
+    return init_variables(model, rng)["params"]
+
+
+def init_variables(model: CLIP, rng: jax.Array) -> dict:
+    """Every variable collection of a fresh model: `params`, and `batch_stats` (BatchNorm's running statistics)
+    for a ResNet image tower; what `model.apply` takes."""
+    return dict(jax.jit(model.init)(rng, *dummy_inputs(model.config)))
 
 
 def param_shapes(model: CLIP) -> dict:

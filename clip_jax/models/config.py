@@ -119,6 +119,76 @@ class VisionConfig:
         return self.grid_size**2 + 1
 
 
+RESNET_STAGES = 4  # OpenCLIP's ModifiedResNet: layer1 ... layer4
+# Each of the stem's stride-2 conv and average pool, and the strided first block of stages 2-4, halves the image:
+# the attention pool sees a grid of image_size / 32, and only a multiple of 32 gives the grid its pool was made for.
+RESNET_REDUCTION = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetVisionConfig:
+    """OpenCLIP's ModifiedResNet image tower (`vision_cfg` with a list of 4 `layers`): a 3-conv stem of widths
+    width/2, width/2, width, then 4 stages of `layers[i]` bottleneck blocks of width width * 2**i (output 4x that),
+    then attention pooling over a grid of image_size/32 with `width * 32 / head_width` heads."""
+
+    image_size: int
+    layers: tuple[int, ...]
+    width: int = 64
+    head_width: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if len(self.layers) != RESNET_STAGES or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                        for n in self.layers):
+            raise InvalidInput(f"vision_cfg.layers={list(self.layers)!r}: a ModifiedResNet tower takes a list of "
+                               f"{RESNET_STAGES} positive block counts, one per stage (RN50: [3, 4, 6, 3])")
+        if self.width <= 0 or self.width % 2:
+            raise InvalidInput(f"vision_cfg.width={self.width}: a ModifiedResNet stem needs a positive even width "
+                               "(its first two convs are width/2 wide)")
+        if self.image_size <= 0 or self.image_size % RESNET_REDUCTION:
+            raise InvalidInput(f"vision_cfg.image_size={self.image_size}: a ModifiedResNet tower halves the image 5 "
+                               f"times (stem conv and pool, 3 strided stages), so image_size must be a positive "
+                               f"multiple of {RESNET_REDUCTION} for its attention pool's grid (RN50: 224, RN50x4: 288)")
+        if self.head_width <= 0 or self.pool_width % self.head_width:
+            raise InvalidInput(f"vision_cfg.head_width={self.head_width} does not divide the attention pool's width "
+                               f"{self.pool_width} (32 x width)")
+
+    @property
+    def pool_width(self) -> int:
+        """The width of the last stage's output, which the attention pool attends over."""
+        return self.width * RESNET_REDUCTION
+
+    @property
+    def heads(self) -> int:
+        return self.pool_width // self.head_width
+
+    @property
+    def grid_size(self) -> int:
+        return self.image_size // RESNET_REDUCTION
+
+    @property
+    def num_tokens(self) -> int:  # the grid's cells plus their mean, the pooled query
+        return self.grid_size**2 + 1
+
+    @property
+    def patch_dropout(self) -> float:  # no patches: OpenCLIP's ModifiedResNet takes no patch dropout
+        return 0.0
+
+
+def is_resnet(config: "CLIPConfig | VisionConfig | ResNetVisionConfig") -> bool:
+    """Whether a model (or its image tower) is OpenCLIP's ModifiedResNet rather than a ViT."""
+    vision = config.vision if isinstance(config, CLIPConfig) else config
+    return isinstance(vision, ResNetVisionConfig)
+
+
+def require_vit(config: "CLIPConfig", what: str) -> None:
+    """Refuses a ResNet model where only ViT towers are built: `what` names the thing asked for."""
+    if is_resnet(config):
+        raise InvalidInput(f"{config.name}: {what} is not built for ResNet image towers; ResNet towers are "
+                           "evaluation/conversion only in this build (create_model, init_variables, "
+                           "clip_jax.convert)")
+
+
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     context_length: int
@@ -156,7 +226,7 @@ class TextConfig:
 @dataclasses.dataclass(frozen=True)
 class CLIPConfig:
     embed_dim: int
-    vision: VisionConfig
+    vision: "VisionConfig | ResNetVisionConfig"
     text: TextConfig
     quick_gelu: bool = False  # OpenAI's original checkpoints use x * sigmoid(1.702 x); OpenCLIP's own use exact GELU
     name: str = "custom"
@@ -169,10 +239,10 @@ class CLIPConfig:
     custom_text: bool = False
 
     def __post_init__(self):
-        for tower in (self.vision, self.text):
+        for tower in (self.text,) if is_resnet(self.vision) else (self.vision, self.text):
             if tower.width % tower.heads:
                 raise InvalidInput(f"{self.name}: width {tower.width} is not divisible by {tower.heads} heads")
-        if self.vision.image_size % self.vision.patch_size:
+        if not is_resnet(self.vision) and self.vision.image_size % self.vision.patch_size:
             raise InvalidInput(
                 f"{self.name}: image_size {self.vision.image_size} is not a multiple of "
                 f"patch_size {self.vision.patch_size}"
@@ -183,7 +253,8 @@ class CLIPConfig:
         if self.text.proj_type == "none" and self.text.width != self.embed_dim:
             raise InvalidInput(f"{self.name}: text_cfg.proj_type='none' gives {self.text.width}-wide text features, "
                                f"but the image features are embed_dim={self.embed_dim} wide")
-        if self.quick_gelu and any(t.block.gelu_approximate != "none" for t in (self.vision, self.text)):
+        towers = (self.text,) if is_resnet(self.vision) else (self.vision, self.text)
+        if self.quick_gelu and any(t.block.gelu_approximate != "none" for t in towers):
             raise InvalidInput(f"{self.name}: act_kwargs with quick_gelu: OpenCLIP's QuickGELU takes no arguments")
 
 
@@ -226,6 +297,32 @@ _OPEN_CLIP_CONFIGS = {
         },
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 24},
     },
+    # ModifiedResNet image towers (a list of 4 `layers`)
+    "RN50": {
+        "embed_dim": 1024,
+        "vision_cfg": {"image_size": 224, "layers": [3, 4, 6, 3], "width": 64, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "RN101": {
+        "embed_dim": 512,
+        "vision_cfg": {"image_size": 224, "layers": [3, 4, 23, 3], "width": 64, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "RN50x4": {
+        "embed_dim": 640,
+        "vision_cfg": {"image_size": 288, "layers": [4, 6, 10, 6], "width": 80, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 640, "heads": 10, "layers": 12},
+    },
+    "RN50x16": {
+        "embed_dim": 768,
+        "vision_cfg": {"image_size": 384, "layers": [6, 8, 18, 8], "width": 96, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
+    },
+    "RN50x64": {
+        "embed_dim": 1024,
+        "vision_cfg": {"image_size": 448, "layers": [3, 15, 36, 10], "width": 128, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 12},
+    },
 }
 
 # OpenCLIP's keys, by tower, with the type each must have (checked before anything is built). "int" and "float"
@@ -266,7 +363,8 @@ _ACT_KWARGS = {"approximate": "str"}
 _TOP_KEYS = {"embed_dim": "int", "quick_gelu": "bool", "custom_text": "bool", "init_logit_scale": "float",
              "init_logit_bias": "float?", "cast_dtype": "str?"}
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "str?": "a string or null", "float?": "a number or null", "dict?": "a dict or null"}
+               "str?": "a string or null", "float?": "a number or null", "dict?": "a dict or null",
+               "list": "a list"}
 
 
 def _type_ok(value, kind: str) -> bool:
@@ -279,7 +377,7 @@ def _type_ok(value, kind: str) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "float":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, {"str": str, "dict": Mapping}[kind])
+    return isinstance(value, {"str": str, "dict": Mapping, "list": (list, tuple)}[kind])
 
 
 def _check_types(cfg: Mapping[str, Any], schema: Mapping[str, str], where: str) -> None:
@@ -292,10 +390,36 @@ def list_models() -> list[str]:
     return sorted(_OPEN_CLIP_CONFIGS)
 
 
+# A ModifiedResNet tower's keys: OpenCLIP reads only these four (and writes patch_size null in its JSON).
+_RESNET_KEYS = {"image_size": "int", "layers": "list", "width": "int", "head_width": "int"}
+
+
+def _resnet_from_open_clip(cfg: Mapping[str, Any], name: str) -> ResNetVisionConfig:
+    """A ModifiedResNet tower from a `vision_cfg` whose `layers` is a list; every other key is refused by name
+    (OpenCLIP would ignore a ViT key such as mlp_ratio here, so a config that sets one is a mistake)."""
+    where = f"model config {name!r}: vision_cfg"
+    unknown = set(cfg) - set(_RESNET_KEYS) - {"patch_size"} - _IGNORED_KEYS
+    if unknown:
+        raise InvalidInput(f"{where}: unknown key(s) {sorted(unknown)} for a ModifiedResNet tower (a list of "
+                           f"layers); known keys are {sorted(_RESNET_KEYS)}")
+    if cfg.get("patch_size") is not None:
+        raise InvalidInput(f"{where}.patch_size={cfg['patch_size']!r}: a ModifiedResNet tower has no patches "
+                           "(patch_size must be null or absent)")
+    _check_types(cfg, _RESNET_KEYS, where)
+    if "image_size" not in cfg:
+        raise InvalidInput(f"{where} lacks required key 'image_size'")
+    try:
+        return ResNetVisionConfig(image_size=cfg["image_size"], layers=tuple(cfg["layers"]),
+                                  width=cfg.get("width", 64), head_width=cfg.get("head_width", 64))
+    except InvalidInput as e:
+        raise InvalidInput(f"model config {name!r}: {e}") from None
+
+
 def _check_tower(cfg: Mapping[str, Any], known: Mapping[str, str], where: str) -> None:
     """Unknown keys, keys of towers not built, and wrong types, each named, before any value is used."""
     if isinstance(cfg.get("layers"), (list, tuple)):
-        raise InvalidInput(f"{where}.layers={cfg['layers']!r}: a ModifiedResNet image tower is not built")
+        raise InvalidInput(f"{where}.layers={cfg['layers']!r}: a list of layers (a ModifiedResNet) is an image "
+                           "tower only")
     if isinstance(cfg.get("image_size"), (list, tuple)):
         raise InvalidInput(f"{where}.image_size={cfg['image_size']!r}: non-square image_size is not supported")
     unknown = set(cfg) - set(known) - _IGNORED_KEYS - set(_NOT_BUILT)
@@ -341,6 +465,23 @@ def _mlp_width(width: int, ratio) -> int:
     return int(width * float(ratio))
 
 
+def _vit_from_open_clip(v: Mapping[str, Any]) -> VisionConfig:
+    v_width = v["width"]
+    return VisionConfig(
+        image_size=v["image_size"],
+        patch_size=v["patch_size"],
+        width=v_width,
+        layers=v["layers"],
+        heads=v_width // v.get("head_width", 64),
+        mlp_width=_mlp_width(v_width, v.get("mlp_ratio", 4.0)),
+        patch_dropout=float(v.get("patch_dropout", 0.0)),
+        block=_block_from_open_clip(v),
+        no_ln_pre=v.get("no_ln_pre", False),
+        pool_type=v.get("pool_type", "tok"),
+        final_ln_after_pool=v.get("final_ln_after_pool", False),
+    )
+
+
 def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPConfig:
     """Builds a `CLIPConfig` from a dict in OpenCLIP's model-config JSON format.
 
@@ -360,24 +501,14 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPC
         if not isinstance(cfg[key], Mapping):
             raise InvalidInput(f"model config {name!r}: {key} must be a dict, got {type(cfg[key]).__name__}")
     v, t = dict(cfg["vision_cfg"]), dict(cfg["text_cfg"])
-    _check_tower(v, _VISION_KEYS, f"{name}: vision_cfg")
+    resnet = _resnet_from_open_clip(v, name) if isinstance(v.get("layers"), (list, tuple)) else None
+    if resnet is None:
+        _check_tower(v, _VISION_KEYS, f"{name}: vision_cfg")
     _check_preprocessing(v, f"{name}: vision_cfg")
     _check_tower(t, _TEXT_KEYS, f"{name}: text_cfg")
     try:
-        v_width, t_width = v["width"], t["width"]
-        vision = VisionConfig(
-            image_size=v["image_size"],
-            patch_size=v["patch_size"],
-            width=v_width,
-            layers=v["layers"],
-            heads=v_width // v.get("head_width", 64),
-            mlp_width=_mlp_width(v_width, v.get("mlp_ratio", 4.0)),
-            patch_dropout=float(v.get("patch_dropout", 0.0)),
-            block=_block_from_open_clip(v),
-            no_ln_pre=v.get("no_ln_pre", False),
-            pool_type=v.get("pool_type", "tok"),
-            final_ln_after_pool=v.get("final_ln_after_pool", False),
-        )
+        t_width = t["width"]
+        vision = resnet or _vit_from_open_clip(v)
         text = TextConfig(
             context_length=t.get("context_length", 77),
             vocab_size=t.get("vocab_size", 49408),
@@ -427,11 +558,14 @@ def _block_to_open_clip(block: BlockConfig) -> dict[str, Any]:
     return out
 
 
-def open_clip_model_cfg(config: CLIPConfig) -> dict:
-    """OpenCLIP's model-config dict (the JSON `open_clip.create_model` reads) for `config`: the inverse of
-    `config_from_open_clip`. Keys at their OpenCLIP default are left out, so the dict stays as short as the
-    configs OpenCLIP ships."""
-    v, t = config.vision, config.text
+def _resnet_to_open_clip(v: ResNetVisionConfig) -> dict[str, Any]:
+    vision = {"image_size": v.image_size, "layers": list(v.layers), "width": v.width, "patch_size": None}
+    if v.head_width != 64:
+        vision["head_width"] = v.head_width
+    return vision
+
+
+def _vit_to_open_clip(v: VisionConfig) -> dict[str, Any]:
     vision = {"image_size": v.image_size, "layers": v.layers, "width": v.width, "patch_size": v.patch_size}
     if v.width // v.heads != 64:
         vision["head_width"] = v.width // v.heads
@@ -441,6 +575,16 @@ def open_clip_model_cfg(config: CLIPConfig) -> dict:
                 ("pool_type", v.pool_type, "tok"), ("final_ln_after_pool", v.final_ln_after_pool, False))
     vision.update({k: value for k, value, default in optional if value != default})
     vision.update(_block_to_open_clip(v.block))
+    return vision
+
+
+def open_clip_model_cfg(config: CLIPConfig) -> dict:
+    """OpenCLIP's model-config dict (the JSON `open_clip.create_model` reads) for `config`: the inverse of
+    `config_from_open_clip`. Keys at their OpenCLIP default are left out, so the dict stays as short as the
+    configs OpenCLIP ships."""
+    v, t = config.vision, config.text
+    vision = _resnet_to_open_clip(v) if is_resnet(v) else _vit_to_open_clip(v)
+
 
     text = {"context_length": t.context_length, "vocab_size": t.vocab_size, "width": t.width, "heads": t.heads,
             "layers": t.layers}

@@ -5,7 +5,7 @@ and so are the block options' extra norms and per-head scales (elementwise, as t
 `train=True` counts the forward as the train step runs it: under patch dropout (`vision.patch_dropout`) the image
 tower's blocks see the class token and the kept patches only (every patch is still embedded). Eval counts all."""
 
-from clip_jax.models.config import CLIPConfig, VisionConfig
+from clip_jax.models.config import CLIPConfig, VisionConfig, require_vit
 from clip_jax.models.vit import kept_patch_count
 
 
@@ -26,6 +26,7 @@ def image_tokens(vision: VisionConfig, train: bool = False) -> int:
 
 
 def image_forward_flops(config: CLIPConfig, train: bool = False) -> int:
+    require_vit(config, "the analytic FLOPs count")
     v = config.vision
     patches = v.grid_size**2
     macs = patches * (v.patch_size**2 * 3) * v.width  # patch embedding
