@@ -1,7 +1,8 @@
 """The instability lab: the demo's tiny CLIP on the bundled Fashion-MNIST, set up to spike within a few CPU minutes:
 pure bf16 (weights, moments and activations), a short warm-up to a learning rate 2.5x the demo's, AdamW with a slow
 second moment (beta2 0.999) and a small eps (1e-8), no clipping and no automatic rollback. The loss first falls a
-little, then jumps (about step 17, at a learning rate near 3e-3) and collapses to chance, from which it learns again.
+little, then jumps (steps 17-18, at a learning rate near 3e-3) and collapses to chance for the rest of its 80
+steps.
 
     .venv/bin/python -m clip_jax.train --config configs/demo_unstable.py
 
