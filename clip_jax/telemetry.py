@@ -11,7 +11,10 @@ Per tower (`visual`, `text`) and per residual block (a layer of the scanned stac
   optimizers with Adam's state;
 - `q_norm`, `k_norm` (of the last block, after the update): Frobenius norms of its query and key projection
   kernels. Attention logits grow with |q||k|; growing norms precede the attention-entropy collapse behind many
-  spikes. (A data-free proxy for the largest attention logit, which would need the last block's activations.)
+  spikes. (A data-free proxy for the largest attention logit, which would need the last block's activations.) With
+  `qk_norm` the logits are bounded by the norms' scales instead and these norms only track the projections' size;
+- `attn_logit_scale` (last block, `scaled_cosine_attn` only): the largest per-head factor exp(min(s, ln 100)) that
+  multiplies cos(q, k), the bound on that block's attention logits.
 
 `step_telemetry` returns `{tower: {name: [layers] or scalar}}` of fp32 arrays; `flatten` turns a fetched one into
 TensorBoard tags such as `telemetry/visual/grad_rms/block_3`.
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from clip_jax.models.layers import LOGIT_SCALE_MAX as ATTN_LOGIT_SCALE_MAX
 from clip_jax.parallel import LAYER_STACK_KEY, path_names
 
 TEXT_TOWER_ROOT = "transformer"  # OpenCLIP's text blocks live at the top level: transformer.resblocks
@@ -85,6 +89,9 @@ def step_telemetry(grads, updates, new_opt_state, new_params, *, b2: float,
     for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
         names = path_names(path)
         tower = tower_of(names)
+        if tower is not None and names[-2:] == ["attn", "logit_scale"]:  # [layers, heads, 1, 1]
+            largest = jnp.max(leaf[-1].astype(jnp.float32))
+            out[tower]["attn_logit_scale"] = jnp.exp(jnp.minimum(largest, ATTN_LOGIT_SCALE_MAX))
         if tower is None or names[-3:] != ["attn", "in_proj", "kernel"]:
             continue
         width = leaf.shape[-1] // 3  # [layers, W, 3W]: query, key, value columns
@@ -92,15 +99,6 @@ def step_telemetry(grads, updates, new_opt_state, new_params, *, b2: float,
         out[tower]["q_norm"] = jnp.linalg.norm(last[:, :width])
         out[tower]["k_norm"] = jnp.linalg.norm(last[:, width:2 * width])
     return out
-
-
-def optimizer_step_telemetry(optimizer: optax.GradientTransformation, grads, opt_state, params, *, b2: float,
-                             eps: float) -> dict[str, dict[str, jax.Array]]:
-    """`step_telemetry` from the state before the update: the optimizer's update is computed again here (the same
-    function of the same inputs), so that the step passes only what it holds anyway. Handing the step's own
-    `updates` and new state to a `lax.cond` made XLA keep them as separate buffers on every step, taken or not."""
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    return step_telemetry(grads, updates, new_opt_state, params, b2=b2, eps=eps)
 
 
 def every_n_steps(telemetry: Callable, n: int) -> Callable:

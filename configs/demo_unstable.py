@@ -1,6 +1,8 @@
-"""The instability lab: the demo's tiny CLIP on the bundled Fashion-MNIST, set up to diverge within a few CPU
-minutes: pure bf16 (weights, moments and activations), a learning rate far too high for plain AdamW, no warm-up,
-and no automatic rollback.
+"""The instability lab: the demo's tiny CLIP on the bundled Fashion-MNIST, set up to spike within a few CPU minutes:
+pure bf16 (weights, moments and activations), a short warm-up to a learning rate 2.5x the demo's, AdamW with a slow
+second moment (beta2 0.999) and a small eps (1e-8), no clipping and no automatic rollback. The loss first falls a
+little, then jumps (steps 17-18, at a learning rate near 3e-3) and collapses to chance for the rest of its 80
+steps.
 
     .venv/bin/python -m clip_jax.train --config configs/demo_unstable.py
 
@@ -24,10 +26,12 @@ def _demo_config():
 def get_config():
     c = _demo_config()  # the demo's data, model, batch and evaluation; what follows makes it unstable
     c.precision = "pure_bf16"
-    c.lr = 2e-3  # the demo's own rate, which it reaches after 50 warm-up steps
-    c.warmup = 0
+    c.lr = 5e-3  # 2.5x the demo's rate ...
+    c.warmup = 30  # ... reached after 30 steps; the trouble starts near 3e-3
+    c.beta2 = 0.999  # a second moment that lags behind a sudden change of the gradients (Wortsman et al. 2023)
+    c.eps = 1e-8
     c.batch_size = 64
-    c.train_num_samples = 3840  # 60 steps of 64
+    c.train_num_samples = 5120  # 80 steps of 64
     c.grad_clip_norm = 0.0
     c.opt = "adamw"
     c.nan_patience = 1_000_000  # no rollback: non-finite steps are skipped and counted, the run goes on

@@ -150,3 +150,37 @@ def test_the_monitor_names_the_kind_of_problem_the_trainer_records():
     assert "loss spike" in monitor.observe(5.0, True) and monitor.last_problem == "loss_spike"
     assert monitor.observe(float("nan"), False) is None
     assert "2 non-finite" in monitor.observe(float("nan"), False) and monitor.last_problem == "non_finite"
+
+
+@pytest.mark.parametrize("option", ["qk_norm", "scaled_cosine_attn"])
+def test_telemetry_of_normalised_attention_blocks(tiny_model_config, option):
+    """The q/k kernel norms are still found in the packed projection of these blocks; the cosine block also
+    reports its largest per-head attention factor, exp of the clamped learned scale, computed here from the
+    perturbed parameter itself."""
+    from clip_jax.models.clip import create_model, dummy_inputs
+    from clip_jax.telemetry import step_telemetry
+
+    config = {**tiny_model_config, **{tower: {**tiny_model_config[tower], option: True}
+                                      for tower in ("vision_cfg", "text_cfg")}}  # the fixture is shared
+    model = create_model(config)
+    params = jax.device_get(model.init(jax.random.PRNGKey(0), *dummy_inputs(model.config, 2))["params"])
+    scales = {}
+    for tower, root in (("visual", params["visual"]["transformer"]), ("text", params["transformer"])):
+        attn = root["resblocks"]["attn"]
+        if option == "scaled_cosine_attn":  # one head of the last block above the ln 100 clamp, one below init
+            raw = np.array(attn["logit_scale"], np.float32)
+            raw[-1, 0], raw[-1, -1] = 5.5, 1.0
+            attn["logit_scale"] = raw
+            scales[tower] = np.exp(min(float(np.max(raw[-1])), np.log(100.0)))
+    zeros = jax.tree.map(np.zeros_like, params)
+    telemetry = jax.device_get(step_telemetry(zeros, zeros, (), params, b2=B2, eps=EPS))
+    for tower, root in (("visual", "visual/transformer"), ("text", "transformer")):
+        kernel = block_leaves(params, root)["['attn']['in_proj']['kernel']"][-1]
+        width = kernel.shape[0]
+        np.testing.assert_allclose(telemetry[tower]["q_norm"], np.linalg.norm(kernel[:, :width]), rtol=1e-5)
+        np.testing.assert_allclose(telemetry[tower]["k_norm"], np.linalg.norm(kernel[:, width:2 * width]), rtol=1e-5)
+        if option == "scaled_cosine_attn":
+            np.testing.assert_allclose(telemetry[tower]["attn_logit_scale"], scales[tower], rtol=1e-6)
+            assert scales[tower] == pytest.approx(100.0)
+        else:
+            assert "attn_logit_scale" not in telemetry[tower]
