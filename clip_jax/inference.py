@@ -69,7 +69,7 @@ def saved_preprocessing(pretrained: str | None) -> dict:
     return {}
 
 
-def _pretrained_model_config(pretrained: str | None):
+def pretrained_model_config(pretrained: str | None):
     """The model an exported folder or a run holds (at the image size the run trained at)."""
     from clip_jax.pretrained import export_model_config, is_export_folder, read_run_config, run_directory
 
@@ -79,8 +79,8 @@ def _pretrained_model_config(pretrained: str | None):
         from clip_jax.export import run_model_config
 
         return run_model_config(read_run_config(pretrained))
-    raise InvalidInput(f"name_or_config=None takes the model from an exported folder or a clip_jax run; "
-                       f"pretrained={pretrained!r} is neither: name the model")
+    raise InvalidInput(f"{pretrained!r} is neither an exported model folder nor a clip_jax run, so it does not say "
+                       "which model it holds: name the model")
 
 
 def create_model_and_transforms(name_or_config, pretrained: str | None = None, *, image_mean=None, image_std=None,
@@ -106,7 +106,7 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
         config = export_model_config(folder)
         pretrained = folder if pretrained is None else pretrained
     elif name_or_config is None:
-        config = _pretrained_model_config(pretrained)
+        config = pretrained_model_config(pretrained)
     else:
         config = get_model_config(name_or_config)
     require_vit(config, "create_model_and_transforms (params without BatchNorm statistics)")

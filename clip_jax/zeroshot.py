@@ -41,14 +41,15 @@ from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.models import create_model, init_params
 from clip_jax.models.config import require_vit
 from clip_jax.parallel import create_mesh
-from clip_jax.inference import saved_preprocessing
+from clip_jax.inference import pretrained_model_config, saved_preprocessing
 from clip_jax.pretrained import load_pretrained
 
 
-def read_checkpoint(checkpoint: str, model_name: str) -> dict:
-    """Host params of `model_name` from a training run (run directory, or one `checkpoints/STEP` folder), an
-    exported model folder, a clip_jax params file, or an OpenCLIP checkpoint (converted on the fly)."""
-    return load_pretrained(checkpoint, model_name)
+def read_checkpoint(checkpoint: str, model) -> dict:
+    """Host params of `model` (a name, model-config file or `CLIPConfig`) from a training run (run directory, or
+    one `checkpoints/STEP` folder), an exported model folder, a clip_jax params file, or an OpenCLIP checkpoint
+    (converted on the fly)."""
+    return load_pretrained(checkpoint, model)
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:
@@ -160,7 +161,12 @@ def run(args) -> dict:
     saved = saved_preprocessing(args.checkpoint)
     args.mean = tuple(args.mean or saved.get("mean") or OPENAI_MEAN)
     args.std = tuple(args.std or saved.get("std") or OPENAI_STD)
-    model = create_model(args.model, dtype=args.compute_dtype)
+    if args.model is None:  # the model an exported folder or a run holds, at the image size it trained at
+        model_config = pretrained_model_config(args.checkpoint)
+        args.model = model_config.name
+    else:
+        model_config = args.model
+    model = create_model(model_config, dtype=args.compute_dtype)
     require_vit(model.config, "zero-shot evaluation")
     check_vocabulary(model)
     mesh = create_mesh()
@@ -170,7 +176,7 @@ def run(args) -> dict:
     if retrieval_set is not None and args.limit:
         retrieval_set = first_images(retrieval_set, args.limit)
     if args.checkpoint:
-        params = read_checkpoint(args.checkpoint, args.model)
+        params = read_checkpoint(args.checkpoint, model.config)
     else:
         params = init_params(model, jax.random.key(args.seed))
         if jax.process_index() == 0:
@@ -207,7 +213,8 @@ def run(args) -> dict:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m clip_jax.zeroshot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json")
+    parser.add_argument("--model", help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json (default: the "
+                        "model of an exported folder or run given as --checkpoint)")
     parser.add_argument("--checkpoint", help="clip_jax params .npz, or an OpenCLIP .pt/.pth/.bin/.safetensors "
                         "(converted on the fly); without it a freshly initialised model")
     data = parser.add_argument_group("datasets")
@@ -269,6 +276,8 @@ def parse_args(argv=None):
         parser.error("--limit must be at least 1")
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
+    if args.model is None and not args.checkpoint:
+        parser.error("--model is needed without a --checkpoint (an exported folder or a run names its own)")
     return args
 
 

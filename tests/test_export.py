@@ -88,8 +88,10 @@ def test_the_export_folder_is_a_checkpoint_for_the_eval_script(shards, base_run,
     reports = {}
     for name, checkpoint in (("run", base_run), ("export", exported)):
         output = tmp_path / f"{name}.json"
-        # no --mean/--std: each checkpoint's own (the run's config, the folder's preprocess_cfg) is used
-        assert zeroshot.main(["--model", shards[1], "--checkpoint", str(checkpoint), "--demo", "--limit", "128",
+        # no --mean/--std: each checkpoint's own (the run's config, the folder's preprocess_cfg) is used; the
+        # export also names its model
+        model = ["--model", shards[1]] if name == "run" else []
+        assert zeroshot.main([*model, "--checkpoint", str(checkpoint), "--demo", "--limit", "128",
                               "--no-progress", "--output", str(output)]) == 0
         reports[name] = json.loads(output.read_text())
     for report in reports.values():
@@ -163,3 +165,9 @@ def test_the_readme_example_classifies_an_image(exported, tmp_path):
         exec(compile(code, "README.md", "exec"), {})
     label, _ = printed.getvalue().split(" [", 1)
     assert label in ("a photo of a sneaker", "a photo of a bag", "a photo of a dress")
+
+
+def test_the_eval_script_needs_a_model_name_without_a_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        zeroshot.parse_args(["--demo"])
+    assert "--model is needed without a --checkpoint" in capsys.readouterr().err
