@@ -76,6 +76,12 @@ def test_recall_and_loss_equal_an_independent_computation(val_pattern, trainer_m
     firsts = [list(val_set.caption_image).index(i) for i in range(NUM_IMAGES)]
     assert got["loss"] == pytest.approx(torch_clip_loss(image_features, text_features[firsts], 20.0, 24), rel=1e-5)
     assert got["num_images"] == NUM_IMAGES
+    # A softmax run whose model carries a logit_bias (e.g. init_logit_bias in its JSON) is validated with its own
+    # loss, not the sigmoid one the bias would suggest.
+    biased = {**params, "logit_bias": np.float32(-10.0)}
+    as_run = validate(model, biased, val_set, create_mesh(), batch_size=16, loss_batch_size=24, mean=OPENAI_MEAN,
+                      std=OPENAI_STD, loss="clip")
+    assert as_run["loss"] == pytest.approx(got["loss"], rel=1e-12)
 
 
 def test_the_sigmoid_loss_equals_its_definition():

@@ -69,9 +69,11 @@ def first_caption_rows(caption_image: np.ndarray, num_images: int) -> np.ndarray
 
 def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: int, loss_batch_size: int,
              mean: Sequence[float], std: Sequence[float], ks: Sequence[int] = (1, 5, 10),
-             text_batch_size: int = 1024) -> dict[str, float]:
+             text_batch_size: int = 1024, loss: str | None = None) -> dict[str, float]:
     """`loss`, `image_to_text_recall@k`, `text_to_image_recall@k`, `num_images` of `params` on `val_set`.
-    `params` may be as a trainer holds them (e.g. FSDP-sharded); every process gets the same numbers."""
+    `params` may be as a trainer holds them (e.g. FSDP-sharded); every process gets the same numbers. `loss`: the
+    run's ("clip": softmax, "siglip": sigmoid with the params' logit_bias); None: sigmoid when the params have a
+    logit_bias."""
     encoder = ShardedEncoder(model, mesh)
     params = encoder.place(params)
     image_features = encode_retrieval_images(encoder, params, val_set,
@@ -80,7 +82,8 @@ def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: in
     text_features = encoder.encode_texts(params, tokenize_for(model, val_set.captions), text_batch_size)
     metrics = retrieval_recall(image_features, text_features, val_set.caption_image, ks)
     scale = float(np.exp(np.asarray(jax.device_get(params["logit_scale"]), np.float64)))
-    bias = float(np.asarray(jax.device_get(params["logit_bias"]))) if "logit_bias" in params else None
+    sigmoid = "logit_bias" in params if loss is None else loss == "siglip"
+    bias = float(np.asarray(jax.device_get(params["logit_bias"]))) if sigmoid else None
     firsts = first_caption_rows(val_set.caption_image, val_set.num_images)
     metrics["loss"] = pair_loss(image_features, text_features[firsts], scale, bias, batch_size=loss_batch_size)
     metrics["num_images"] = val_set.num_images
