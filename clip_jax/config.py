@@ -246,7 +246,20 @@ def data_problems(c: ml_collections.ConfigDict) -> list[str]:
         problems.append(str(e))
     if c.dataset_type == "synthetic" and not c.train_num_samples:
         problems.append("dataset_type='synthetic' needs train_num_samples (samples per virtual epoch)")
+    problems += _unused_data_fields(c)
     return problems
+
+
+def _unused_data_fields(c: ml_collections.ConfigDict) -> list[str]:
+    """Fields set away from their defaults that the chosen dataset_type would silently not use."""
+    if c.dataset_type == "webdataset":
+        return []
+    defaults = default_config()
+    unused = ["make_train_data", "train_data_upsampling_factors", "train_data_image_key", "train_data_caption_key"]
+    if c.dataset_type == "synthetic":  # no images are decoded or augmented
+        unused += ["train_data_min_image_size", "train_data_min_caption_chars", "max_image_pixels", "aug_cfg"]
+    return [f"{field}={c[field]!r} has no effect with dataset_type={c.dataset_type!r}: leave it unset"
+            for field in unused if c[field] != defaults[field]]
 
 
 def report_targets(report_to: str) -> tuple[str, ...]:

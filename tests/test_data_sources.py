@@ -257,3 +257,22 @@ def test_make_shards_pre_filters_parquet(tmp_path):
     assert kept == [r for r, reason in zip(rows, _plain(rows)) if reason is None] and kept
     assert make_shards.main(["filter-parquet", str(tmp_path / "a.parquet"), "--filter", "a <", "--out",
                              str(out)]) == 1
+
+
+def test_data_fields_a_synthetic_or_csv_run_would_not_use_are_named():
+    from clip_jax.config import check_config
+
+    c = default_config()
+    c.dataset_type, c.train_num_samples = "synthetic", 100
+    c.max_image_pixels, c.make_train_data = 10**8, "fashion-mnist"
+    with pytest.raises(ValueError) as info:
+        check_config(c, num_devices=8)
+    assert "max_image_pixels=100000000 has no effect with dataset_type='synthetic'" in str(info.value)
+    assert "make_train_data='fashion-mnist' has no effect with dataset_type='synthetic'" in str(info.value)
+    c = default_config()
+    c.dataset_type, c.train_data, c.max_image_pixels = "csv", "/data/train.csv", 10**8  # csv decodes: pixels apply
+    c.train_data_caption_key = "json:caption"
+    with pytest.raises(ValueError) as info:
+        check_config(c, num_devices=8)
+    assert "train_data_caption_key='json:caption' has no effect with dataset_type='csv'" in str(info.value)
+    assert "max_image_pixels" not in str(info.value)
