@@ -29,6 +29,7 @@ setup(
         "pillow>=12.0",
         "safetensors>=0.8",
         "fsspec>=2026.1.0",
+        "psutil>=5.9",  # host CPU and RAM in the training log (clip_jax.device_telemetry)
         "pyarrow>=14",  # LAION's parquet metadata: data.check --parquet, make_shards filter-parquet
     ],
     extras_require={

@@ -114,6 +114,15 @@ def read_run(run_dir: pathlib.Path) -> tuple[dict[int, float], list[dict]]:
     return losses, events
 
 
+def _parse_value(text: str, kind: type, field: str):
+    """`--set FIELD=VALUE` as the field's type (bool("False") would be True)."""
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise SystemExit(f"--set {field}={text}: give true or false")
+        return text.lower() in ("true", "1")
+    return kind(text)
+
+
 def run_treatment(name: str, args, work: pathlib.Path) -> dict:
     config = load_config()
     config.logs, config.name = str(work), name
@@ -122,7 +131,7 @@ def run_treatment(name: str, args, work: pathlib.Path) -> dict:
     config.zeroshot_data = "demo" if args.zeroshot_samples else ""
     for assignment in args.set:
         field, value = assignment.split("=", 1)
-        config[field] = type(config[field])(value)
+        config[field] = _parse_value(value, type(config[field]), field)
     for field, value in TREATMENTS[name].items():
         config[field] = value
     if name in MODEL_OPTIONS:

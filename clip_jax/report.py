@@ -87,6 +87,8 @@ def write_png(series: dict, output: str, title: str) -> list[str]:
 
     panels = [(t, panel_series(series, p)) for t, p in PANELS]
     panels = [(t, names) for t, names in panels if names]
+    if not panels:
+        raise InvalidInput(f"nothing to plot yet: {title} has no logged metrics (only events or skipped steps)")
     columns = 2
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)

@@ -81,6 +81,11 @@ def step_spec(config, schedule: Schedule, mesh_platform: str, precision: str | N
                                 precision=precision)
 
 
+def eval_batch_size(mesh) -> int:
+    """The global batch of zero-shot evaluation and validation: about 256 images, a multiple of the devices."""
+    return max(mesh.size, (256 // mesh.size) * mesh.size)
+
+
 class Trainer:
     """Holds the run's moving parts and drives the step loop. It owns what it opens (the data iterator with its
     worker processes, the checkpoint manager, the TensorBoard writer) and closes them in `close()`, also when its
@@ -207,11 +212,12 @@ class Trainer:
 
     def _event(self, kind: str, step: int, **fields) -> None:
         """An instability event as its own record: a `{"event": KIND, "step": ...}` line in metrics.jsonl, and
-        `events/KIND` (1 at that step) in TensorBoard."""
+        `events/KIND` (1 at that step) in TensorBoard and W&B."""
         if not self.is_main:
             return
-        if self.writer is not None:
-            self.writer.write_scalars(step, {f"events/{kind}": 1.0})
+        for writer in (self.writer, self.wandb):
+            if writer is not None:
+                writer.write_scalars(step, {f"events/{kind}": 1.0})
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"event": kind, "step": step, **fields}) + "\n")
 
@@ -426,8 +432,8 @@ class Trainer:
         if c.zeroshot_samples:
             dataset = dataset.head(c.zeroshot_samples)
         # Evaluate in fp32 compute on the same parameters (any policy's params load into it).
-        batch = max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size)
-        return ZeroShotEvaluator(create_model(model_at_image_size(c)), dataset, self.mesh, batch_size=batch,
+        return ZeroShotEvaluator(create_model(model_at_image_size(c)), dataset, self.mesh,
+                                 batch_size=eval_batch_size(self.mesh),
                                  mean=tuple(c.image_mean), std=tuple(c.image_std))
 
     def _val_due(self) -> bool:
@@ -447,9 +453,9 @@ class Trainer:
 
         c = self.config
         metrics = validate(self.val_model, self.state.params, self.val_set, self.mesh,
-                           batch_size=max(self.mesh.size, (256 // self.mesh.size) * self.mesh.size),
+                           batch_size=eval_batch_size(self.mesh),
                            loss_batch_size=self.schedule.global_batch, mean=tuple(c.image_mean),
-                           std=tuple(c.image_std))
+                           std=tuple(c.image_std), loss=c.loss)
         result = {f"val_{k}": float(v) for k, v in metrics.items() if k != "num_images"}
         self._say(f"validation on {metrics['num_images']} images at step {self.step}: " +
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))

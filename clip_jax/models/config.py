@@ -185,8 +185,8 @@ def require_vit(config: "CLIPConfig", what: str) -> None:
     """Refuses a ResNet model where only ViT towers are built: `what` names the thing asked for."""
     if is_resnet(config):
         raise InvalidInput(f"{config.name}: {what} is not built for ResNet image towers; ResNet towers are "
-                           "evaluation/conversion only in this build (create_model, init_variables, "
-                           "clip_jax.convert)")
+                           "features/conversion only in this build (create_model and model.apply, init_variables, "
+                           "clip_jax.convert, step_factory.build_step)")
 
 
 @dataclasses.dataclass(frozen=True)
