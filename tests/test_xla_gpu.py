@@ -73,7 +73,9 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
                                             topology="1x2x4")
     mesh = create_mesh(topology.devices)
     # The step function itself from the factory; its devices, state layout, batch and compile options by hand.
-    built = build_step(StepSpec(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True), mesh)
+    # The trainer's step carries the spike telemetry (on by default, every log_every_n_steps).
+    built = build_step(StepSpec(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True,
+                                telemetry_every=config.log_every_n_steps), mesh)
     shapes = jax.eval_shape(lambda rng: init_train_state(init_params(built.model, rng), built.optimizer),
                             jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=True)
