@@ -16,10 +16,9 @@ import os
 import pathlib
 import platform
 import statistics
-import time
 
 import jax
-from train_step import keep_freed_memory_mapped, random_batch, time_steps
+from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, time_steps
 
 from clip_jax.lock import LockSpec
 from clip_jax.models import get_model_config
@@ -40,17 +39,7 @@ def state_bytes(model: str, lock: LockSpec) -> dict:
 
 def compiled_step(model: str, lock: LockSpec, batch, mesh) -> tuple:
     step = build_step(StepSpec(model, optimizer=ADAMW, lock=lock), mesh)
-    state = step.init(0)
-    global_batch = make_global_batch(batch, mesh)
-    start = time.perf_counter()
-    compiled = step.update.lower(state, global_batch).compile()
-    compile_s = time.perf_counter() - start
-
-    def run_step():
-        nonlocal state
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
-
+    run_step, compiled, compile_s = compiled_runner(step, step.init(0), make_global_batch(batch, mesh))
     return run_step, {"compile_s": compile_s, "flops": compiled.cost_analysis()["flops"]}
 
 

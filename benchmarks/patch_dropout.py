@@ -17,10 +17,9 @@ import os
 import pathlib
 import platform
 import statistics
-import time
 
 import jax
-from train_step import keep_freed_memory_mapped, random_batch, time_steps
+from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, time_steps
 
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import image_tokens, train_flops
@@ -36,17 +35,7 @@ def compiled_step(config, patch_dropout: float, batch, mesh, precision: str) -> 
     spec = StepSpec(config, precision, "none", attention, patch_dropout=patch_dropout,
                     optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=10_000))
     step = build_step(spec, mesh)
-    state = step.init(0)
-    global_batch = make_global_batch(batch, mesh)
-    start = time.perf_counter()
-    compiled = step.update.lower(state, global_batch).compile()
-    compile_s = time.perf_counter() - start
-
-    def run_step():
-        nonlocal state
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
-
+    run_step, compiled, compile_s = compiled_runner(step, step.init(0), make_global_batch(batch, mesh))
     return run_step, {"patch_dropout": patch_dropout, "compile_s": compile_s, "attention": attention,
                       "image_tokens": image_tokens(spec.model.vision, train=True),
                       "train_flops_per_sample": train_flops(spec.model)}

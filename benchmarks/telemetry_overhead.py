@@ -23,10 +23,9 @@ import os
 import pathlib
 import platform
 import statistics
-import time
 
 import jax
-from train_step import keep_freed_memory_mapped, random_batch, time_steps
+from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, time_steps
 
 from clip_jax.models import get_model_config
 from clip_jax.parallel import create_mesh, make_global_batch
@@ -39,17 +38,7 @@ def compiled_step(config, telemetry_every: int, batch, mesh, precision: str):
     spec = StepSpec(config, precision, "none", "xla", telemetry_every=telemetry_every,
                     optimizer=OptimizerSpec(lr=1e-4, warmup=10, total_steps=10_000))
     step = build_step(spec, mesh)
-    state = step.init(0)
-    global_batch = make_global_batch(batch, mesh)
-    start = time.perf_counter()
-    compiled = step.update.lower(state, global_batch).compile()
-    compile_s = time.perf_counter() - start
-
-    def run_step():
-        nonlocal state
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
-
+    run_step, _, compile_s = compiled_runner(step, step.init(0), make_global_batch(batch, mesh))
     return run_step, compile_s
 
 

@@ -74,6 +74,21 @@ def time_steps(run_steps, steps: int, warmup: int) -> list[list[float]]:
     return times
 
 
+def compiled_runner(step, state, global_batch) -> tuple:
+    """(run_step, compiled, compile_s): `step`'s update compiled for `global_batch`, and a closure that runs one
+    step on the state it carries (the old state is donated) and waits for its metrics."""
+    start = time.perf_counter()
+    compiled = step.update.lower(state, global_batch).compile()
+    compile_s = time.perf_counter() - start
+
+    def run_step():
+        nonlocal state
+        state, metrics = compiled(state, global_batch)
+        jax.block_until_ready(metrics)
+
+    return run_step, compiled, compile_s
+
+
 def clip_jax_step(args, config, batch) -> dict:
     mesh = create_mesh(jax.local_devices())
     attention = choose_attention_impl("auto", mesh.devices.flat[0].platform, get_policy(args.precision).compute_dtype)
@@ -86,16 +101,8 @@ def clip_jax_step(args, config, batch) -> dict:
     jax.block_until_ready(state)
     init_s = time.perf_counter() - start
 
-    global_batch = make_global_batch(batch, mesh)
-    start = time.perf_counter()
-    compiled = step.update.lower(state, global_batch).compile()
-    compile_s = time.perf_counter() - start
+    run_step, compiled, compile_s = compiled_runner(step, state, make_global_batch(batch, mesh))
     memory = compiled.memory_analysis()
-
-    def run_step():
-        nonlocal state
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
 
     return run_step, {
         "init_s": init_s,
