@@ -286,7 +286,8 @@ def main() -> None:
     out = (
         pathlib.Path(__file__).parent
         / "out"
-        / (f"train_step-{args.model}-b{args.batch}-{args.precision}-{args.remat}.json")
+        # a model given as a config file is named by its file name: no path separators in the output name
+        / (f"train_step-{pathlib.Path(args.model).stem}-b{args.batch}-{args.precision}-{args.remat}.json")
     )
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
