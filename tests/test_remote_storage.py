@@ -143,13 +143,15 @@ def test_metrics_config_and_events_are_uploaded_at_saves_and_exit(runs, s3):
 
 
 def test_a_half_written_step_is_never_resumed_from(runs, s3):
-    # Step 16 copied as step 20 without its commit markers: a save cut off before its last write.
+    # Step 16 copied as step 20 without the step's commit marker, written last: a save cut off before its end (the
+    # items' own markers are there).
     for key in keys(s3, "runs/run/checkpoints/16/"):
         target = key.replace("runs/run/checkpoints/16/", "half/run/checkpoints/16/")
         s3.copy_object(Bucket=BUCKET, Key=target, CopySource={"Bucket": BUCKET, "Key": key})
-        if not key.endswith("commit_success.txt"):
+        if key != "runs/run/checkpoints/16/commit_success.txt":
             s3.copy_object(Bucket=BUCKET, Key=target.replace("/checkpoints/16/", "/checkpoints/20/"),
                            CopySource={"Bucket": BUCKET, "Key": key})
+    assert "half/run/checkpoints/20/state/commit_success.txt" in keys(s3, "half/run/checkpoints/20/")
     run = f"s3://{BUCKET}/half/run"
     assert latest_complete_step(f"{run}/checkpoints") == 16
     assert resolve_resume("latest", run) == (f"{run}/checkpoints", 16)
@@ -162,6 +164,8 @@ def test_a_half_written_step_is_never_resumed_from(runs, s3):
         assert checkpoints.latest_step() == 16
     finally:
         checkpoints.close()
+    # The manager of a restarted run clears the unfinished step, so that step can be saved again.
+    assert keys(s3, "half/run/checkpoints/20/") == []
 
 
 def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
