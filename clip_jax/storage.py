@@ -67,20 +67,33 @@ def dirname(path: str) -> str:
     return posixpath.dirname(absolute(path)) if is_remote(path) else os.path.dirname(path)
 
 
+def _forget_listings(path: str) -> None:
+    """Drops fsspec's cached bucket listings, so a question about `path` goes to the store: other processes, and
+    TensorStore, write there without this process's filesystem object seeing it."""
+    if is_remote(path):
+        from etils.epath import backend
+
+        backend.fsspec_backend.fs(path).invalidate_cache()
+
+
 def exists(path: str) -> bool:
+    _forget_listings(path)
     return epath.Path(path).exists()
 
 
 def isdir(path: str) -> bool:
+    _forget_listings(path)
     return epath.Path(path).is_dir()
 
 
 def isfile(path: str) -> bool:
+    _forget_listings(path)
     return epath.Path(path).is_file()
 
 
 def listdir(path: str) -> list[str]:
     """Names in folder `path`, [] when there is none (a bucket has no empty folders)."""
+    _forget_listings(path)
     folder = epath.Path(path)
     if not folder.is_dir():
         return []

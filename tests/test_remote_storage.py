@@ -142,30 +142,37 @@ def test_metrics_config_and_events_are_uploaded_at_saves_and_exit(runs, s3):
     assert len(events) == 2  # one event file per session
 
 
+def copy_step(s3, source: str, target: str, *, without: str | None = None) -> None:
+    """Copies the objects of step folder `source` to `target` (bucket keys), leaving out the key `without` ends in."""
+    for key in keys(s3, source + "/"):
+        if without is None or not key.endswith(without):
+            s3.copy_object(Bucket=BUCKET, Key=target + key[len(source):], CopySource={"Bucket": BUCKET, "Key": key})
+
+
 def test_a_half_written_step_is_never_resumed_from(runs, s3):
-    # Step 16 copied as step 20 without the step's commit marker, written last: a save cut off before its end (the
+    run, folder = f"s3://{BUCKET}/half/run", "half/run/checkpoints"
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/16")
+    assert latest_complete_step(f"{run}/checkpoints") == 16
+    # Step 16 again as step 20 without the step's commit marker, written last: a save cut off before its end (the
     # items' own markers are there).
-    for key in keys(s3, "runs/run/checkpoints/16/"):
-        target = key.replace("runs/run/checkpoints/16/", "half/run/checkpoints/16/")
-        s3.copy_object(Bucket=BUCKET, Key=target, CopySource={"Bucket": BUCKET, "Key": key})
-        if key != "runs/run/checkpoints/16/commit_success.txt":
-            s3.copy_object(Bucket=BUCKET, Key=target.replace("/checkpoints/16/", "/checkpoints/20/"),
-                           CopySource={"Bucket": BUCKET, "Key": key})
-    assert "half/run/checkpoints/20/state/commit_success.txt" in keys(s3, "half/run/checkpoints/20/")
-    run = f"s3://{BUCKET}/half/run"
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/20", without="16/commit_success.txt")
+    assert f"{folder}/20/state/commit_success.txt" in keys(s3, f"{folder}/20/")
+    assert f"{folder}/20/commit_success.txt" not in keys(s3, f"{folder}/20/")
     assert latest_complete_step(f"{run}/checkpoints") == 16
     assert resolve_resume("latest", run) == (f"{run}/checkpoints", 16)
     assert resolve_resume(run, run) == (f"{run}/checkpoints", 16)
     with pytest.raises(MissingInput, match="never completed"):
         resolve_resume(f"{run}/checkpoints/20", run)
+    # A step another process completed since this one last looked is seen (no stale listing).
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/24")
+    assert latest_complete_step(f"{run}/checkpoints") == 24
     checkpoints = RunCheckpoints(f"{run}/checkpoints")
     try:
-        assert checkpoints.all_steps() == [16]
-        assert checkpoints.latest_step() == 16
+        assert checkpoints.all_steps() == [16, 24]
     finally:
         checkpoints.close()
     # The manager of a restarted run clears the unfinished step, so that step can be saved again.
-    assert keys(s3, "half/run/checkpoints/20/") == []
+    assert keys(s3, f"{folder}/20/") == []
 
 
 def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
