@@ -224,11 +224,18 @@ def enable_orbax_s3() -> None:
     global _ORBAX_S3
     if _ORBAX_S3:
         return
-    from orbax.checkpoint._src.path import gcs_utils
-    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    try:
+        from orbax.checkpoint._src.path import gcs_utils
+        from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-    normalize, use_remote_driver, kvstore_for = (ts_utils._normalize_path, ts_utils._use_gcs_driver,
-                                                 gcs_utils.get_kvstore_for_gcs)
+        normalize, use_remote_driver, kvstore_for = (ts_utils._normalize_path, ts_utils._use_gcs_driver,
+                                                     gcs_utils.get_kvstore_for_gcs)
+    except (ImportError, AttributeError) as e:
+        import orbax.checkpoint
+
+        raise RunFailed(f"s3:// checkpoints rely on the TensorStore spec builder of orbax-checkpoint 0.12; this is "
+                        f"{getattr(orbax.checkpoint, '__version__', 'another version')}, which lacks it ({e}): "
+                        "install orbax-checkpoint 0.12.x, or use gs:// or a mounted bucket") from e
 
     def normalize_path(path):
         if str(path).startswith("s3://"):
