@@ -41,6 +41,9 @@ setup(
         # report_to=wandb; python -m clip_jax.report (its PNG).
         "wandb": ["wandb>=0.19"],
         "report": ["matplotlib>=3.8"],
+        # Run directories on object storage (logs/resume = s3://..., gs://...): fsspec's filesystems for the files
+        # Orbax and the trainer write besides arrays (TensorStore, already installed, writes the arrays).
+        "remote": ["s3fs>=2024.2", "gcsfs>=2024.2"],
         # The parity tests run the real OpenCLIP package; pip takes these torch builds from local files where present.
         "test": [
             "pytest>=9.0",
@@ -54,6 +57,10 @@ setup(
             # W&B offline mode and the report PNG are tested end to end.
             "wandb>=0.19",
             "matplotlib>=3.8",
+            # Remote run directories are tested against a local S3 server (moto).
+            "s3fs>=2024.2",
+            "gcsfs>=2024.2",
+            "moto[server]>=5.0",
         ],
         # Benchmarks only: benchmarks/instability_lab.py plots its loss curves.
         "bench": ["matplotlib>=3.8"],

@@ -1,15 +1,16 @@
 """A run's checkpoints: the train state, the data iterator's position and run metadata, saved together by Orbax.
 
-Layout: `RUN_DIR/checkpoints/STEP/{state,data_iter,meta}`. Saves are asynchronous; Orbax writes each step to a
-temporary folder and renames it only when complete, so a crash or `kill -9` mid-save leaves the previous checkpoint
-intact and the half-written one is never listed. Every process takes part: each writes its shards of the state and
-its own data-iterator position (`data_iter/process_R-of-N.json`), which only a run with the same data layout
-(process count and data workers per process) can restore; `meta` records that layout.
+Layout: `RUN_DIR/checkpoints/STEP/{state,data_iter,meta}`. Saves are asynchronous; on disk Orbax writes each step to
+a temporary folder and renames it only when complete; on a bucket (`s3://`, `gs://`: no atomic rename) it writes the
+step in place and marks it complete with `STEP/commit_success.txt` last. Either way a crash or `kill -9` mid-save
+leaves the previous checkpoint intact and the half-written one is never listed or resumed from. Every process takes
+part: each writes its shards of the state and its own data-iterator position (`data_iter/process_R-of-N.json`),
+which only a run with the same data layout (process count and data workers per process) can restore; `meta` records
+that layout.
 """
 
 import dataclasses
 import json
-import os
 import re
 
 import grain
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from clip_jax import storage
 from clip_jax.errors import InvalidInput, MissingInput
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
@@ -65,9 +67,15 @@ class CheckpointMeta:
 
 class RunCheckpoints:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+        self.directory = storage.absolute(directory)
+        if storage.scheme(self.directory) == "s3":
+            storage.enable_orbax_s3()
+        # On a bucket an interrupted save leaves a step folder without its commit file: Orbax's clean-up removes
+        # it, so the step can be saved again.
+        remote = storage.is_remote(self.directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=remote,
+            temporary_path_class=storage.checkpoint_temporary_path_class(self.directory))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
@@ -113,11 +121,10 @@ class RunCheckpoints:
 def read_meta(directory: str, step: int) -> CheckpointMeta | None:
     """The run metadata saved with checkpoint `step` under `directory` (None when it has none), read as a plain
     file: no Orbax manager and no collective, so every process can look before deciding how to restore."""
-    path = os.path.join(directory, str(step), META, "metadata")
-    if not os.path.isfile(path):
+    path = storage.join(directory, str(step), META, "metadata")
+    if not storage.isfile(path):
         return None
-    with open(path) as f:
-        return CheckpointMeta.from_json(json.load(f))
+    return CheckpointMeta.from_json(json.loads(storage.read_text(path)))
 
 
 def saved_process_count(meta: CheckpointMeta | None, data_iter_files: list[str]) -> int | None:
@@ -133,8 +140,8 @@ def saved_process_count(meta: CheckpointMeta | None, data_iter_files: list[str])
 
 
 def data_iter_files(directory: str, step: int) -> list[str]:
-    path = os.path.join(directory, str(step), DATA_ITER)
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return [name for name in storage.listdir(storage.join(directory, str(step), DATA_ITER))
+            if name != storage.COMMIT_FILE]
 
 
 def _saved_tree(state_dir: str):
@@ -150,7 +157,7 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
 def check_state_matches(directory: str, step: int, abstract_state) -> None:
     """Raises `CheckpointMismatchError` naming the differences when checkpoint `step` does not hold a state of
     `abstract_state`'s structure and shapes (another model, another optimizer); dtypes may differ."""
-    saved = _shapes(_saved_tree(os.path.join(directory, str(step), STATE)))
+    saved = _shapes(_saved_tree(storage.join(directory, str(step), STATE)))
     wanted = _shapes(abstract_state)
     if saved == wanted:
         return
@@ -161,7 +168,7 @@ def check_state_matches(directory: str, step: int, abstract_state) -> None:
     meta = read_meta(directory, step)
     saved_model = meta.model if meta is not None else "unknown"
     raise CheckpointMismatchError(
-        f"checkpoint {os.path.join(directory, str(step))} (model {saved_model}) does not fit this run's model and "
+        f"checkpoint {storage.join(directory, str(step))} (model {saved_model}) does not fit this run's model and "
         f"optimizer: {len(differences)} leaves differ, e.g. " + "; ".join(differences[:4])
         + ". Set --config.model to the checkpoint's model, or resume from a checkpoint of this model.")
 
@@ -171,14 +178,19 @@ def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
     there is none: the run starts fresh, so one command both starts and continues a preemptible job); a run
     directory means its newest checkpoint; `.../checkpoints/STEP` that step."""
     if resume == "latest":
-        directory = os.path.join(run_dir, "checkpoints")
+        directory = storage.join(run_dir, "checkpoints")
         return directory, latest_complete_step(directory)
-    path = os.path.abspath(resume)
-    if not os.path.exists(path):
+    path = storage.absolute(resume)
+    if not storage.exists(path):
         raise CheckpointNotFoundError(f"resume={resume!r} does not exist")
-    if re.fullmatch(r"\d+", os.path.basename(path)) and os.path.isdir(os.path.join(path, STATE)):
-        return os.path.dirname(path), int(os.path.basename(path))
-    directory = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    name = storage.basename(path)
+    if re.fullmatch(r"\d+", name) and storage.isdir(storage.join(path, STATE)):
+        if not _complete(storage.dirname(path), name):
+            raise CheckpointNotFoundError(f"resume={resume!r}: that checkpoint was never completed (its save was "
+                                          f"interrupted: no {storage.COMMIT_FILE}); resume from an earlier step")
+        return storage.dirname(path), int(name)
+    checkpoints = storage.join(path, "checkpoints")
+    directory = checkpoints if storage.isdir(checkpoints) else path
     step = latest_complete_step(directory)
     if step is None:
         raise CheckpointNotFoundError(f"resume={resume!r}: no complete checkpoint in {directory}")
@@ -186,12 +198,17 @@ def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
 
 
 def latest_complete_step(directory: str) -> int | None:
-    """The newest complete step under `directory` (Orbax's temporary folders of unfinished saves are not steps)."""
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory)
-             if re.fullmatch(r"\d+", name) and os.path.isdir(os.path.join(directory, name, STATE))]
-    return max(steps, default=None)
+    """The newest complete step under `directory`: on disk Orbax's temporary folders of unfinished saves are not
+    steps; on a bucket a step folder without its commit file is an unfinished save."""
+    steps = [int(name) for name in storage.listdir(directory) if re.fullmatch(r"\d+", name)]
+    return next((step for step in sorted(steps, reverse=True) if _complete(directory, str(step))), None)
+
+
+def _complete(directory: str, name: str) -> bool:
+    step_dir = storage.join(directory, name)
+    if storage.is_remote(directory):
+        return storage.isfile(storage.join(step_dir, storage.COMMIT_FILE))
+    return storage.isdir(storage.join(step_dir, STATE))
 
 
 def read_params(path: str) -> dict:
@@ -200,7 +217,9 @@ def read_params(path: str) -> dict:
     import numpy as np
 
     directory, step = resolve_resume(path, run_dir=path)
-    state_dir = os.path.join(directory, str(step), STATE)
+    if storage.scheme(directory) == "s3":
+        storage.enable_orbax_s3()
+    state_dir = storage.join(directory, str(step), STATE)
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))
     state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
     return jax.tree.map(lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,

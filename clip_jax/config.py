@@ -9,6 +9,7 @@ import os
 
 import ml_collections
 
+from clip_jax import storage
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.loss import LOSSES
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
@@ -186,9 +187,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     if len(c.image_mean) != 3 or len(c.image_std) != 3:
         problems.append("image_mean and image_std need 3 values each")
     for field in ("logs", "resume"):
-        if "://" in str(c[field]):
-            problems.append(f"{field}={c[field]!r}: remote run directories (s3://, gs://) are not supported yet; give "
-                            "a local or mounted path")
+        problem = storage.scheme_problem(str(c[field]))
+        if problem:
+            problems.append(f"{field}={problem}")
     if c.resume and c.resume != "latest" and "://" not in c.resume and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
     if c.get("pretrained") and not os.path.exists(c.pretrained):

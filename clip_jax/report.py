@@ -3,8 +3,8 @@
 Reads the run's `metrics.jsonl` and writes one PNG (default `RUN_DIR/report.png`) with a panel per quantity over
 steps: loss (train and validation), learning rate, logit scale, zero-shot accuracy, validation recall, throughput
 and MFU. A panel whose quantity the run never logged is left out. Prints a summary table: for each quantity its
-first, last, minimum and maximum value and the step of the last one. Needs matplotlib
-(`pip install 'clipjax-train[report]'`).
+first, last, minimum and maximum value and the step of the last one. RUN_DIR may be a bucket URL (`s3://...`,
+`gs://...`); the default PNG then goes there too. Needs matplotlib (`pip install 'clipjax-train[report]'`).
 """
 
 import argparse
@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from clip_jax import storage
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
@@ -32,11 +33,11 @@ PANELS = (
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every numeric metric of `RUN_DIR/metrics.jsonl` as (step, value) pairs in file order; a step logged again
     after a resume replaces the earlier value."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.isfile(path):
         raise MissingInput(f"{path} does not exist: give a run directory the trainer wrote (LOGS/NAME)")
     series: dict[str, dict[int, float]] = {}
-    with open(path) as f:
+    with storage.open_file(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -109,17 +110,21 @@ def write_png(series: dict, output: str, title: str) -> list[str]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=100)
+    if not storage.is_remote(output):
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with storage.open_file(output, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return drawn
 
 
 def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     """Writes the PNG; returns (its path, the summary table)."""
+    if storage.is_remote(run_dir):
+        storage.check_location(run_dir, write=False)
     series = read_metrics(run_dir)
-    output = output or os.path.join(run_dir, "report.png")
-    drawn = write_png(series, output, os.path.basename(os.path.normpath(run_dir)))
+    output = output or storage.join(run_dir, "report.png")
+    drawn = write_png(series, output, storage.basename(run_dir))
     return output, format_summary(summary_rows(series, drawn))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from clip_jax.checkpoint import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta, resolve_resume,
                                  saved_process_count)
+from clip_jax import storage
 from clip_jax.errors import InvalidInput
 
 
@@ -40,14 +41,14 @@ class RunStart:
 
     @property
     def checkpoints_dir(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
+        return storage.join(self.run_dir, "checkpoints")
 
 
 def plan_run_start(config, *, process_count: int) -> RunStart:
     """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
     `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured."""
-    run_dir = os.path.abspath(os.path.join(config.logs, run_name(config)))
-    checkpoints = os.path.join(run_dir, "checkpoints")
+    run_dir = storage.absolute(storage.join(config.logs, run_name(config)))
+    checkpoints = storage.join(run_dir, "checkpoints")
     if not config.resume:
         if latest_complete_step(checkpoints) is not None:
             raise InvalidInput(f"run directory {run_dir} already has checkpoints: continue it with "

@@ -4,14 +4,15 @@ Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step
 eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
 `metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
 `--config.resume=latest` continues exactly where the last checkpoint left off (where a run starts and how its data
-resumes is decided before anything is built: `clip_jax.run_setup`).
+resumes is decided before anything is built: `clip_jax.run_setup`). `logs` may be `s3://bucket/prefix` or
+`gs://bucket/prefix`: checkpoints go to the bucket directly, the appended files are staged locally and uploaded at
+each save and at exit (`clip_jax.storage`).
 """
 
 import dataclasses
 import functools
 import json
 import logging
-import os
 import sys
 import time
 
@@ -22,7 +23,7 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from clip_jax import cli, data
+from clip_jax import cli, data, storage
 from clip_jax import telemetry as telemetry_lib
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config, report_targets
@@ -95,6 +96,7 @@ class Trainer:
         self.config = config
         self.is_main = jax.process_index() == 0
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
+        check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir = self.start.run_dir
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
@@ -111,6 +113,7 @@ class Trainer:
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
         self.flops_per_sample = train_flops(spec.model)
         self.data_iter = self.checkpoints = self.writer = self.wandb = self.device_telemetry = self.val_set = None
+        self.outputs = None  # metrics.jsonl, TensorBoard and W&B files: process 0's, staged locally for a bucket
         try:
             self._open()
         except BaseException:
@@ -140,9 +143,8 @@ class Trainer:
             self._say(note)
         self.step = int(jax.device_get(self.state.step))
         if self.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-                f.write(config.to_json(indent=2))
+            storage.write_text(storage.join(self.run_dir, "config.json"), config.to_json(indent=2))
+            self.outputs = storage.StagedOutputs(self.run_dir)
         self._open_operations()
 
     def _open_operations(self) -> None:
@@ -152,12 +154,12 @@ class Trainer:
         if self.is_main:
             targets = report_targets(config.report_to)
             if "tensorboard" in targets:
-                self.writer = TensorBoardWriter(os.path.join(self.run_dir, "tensorboard"))
+                self.writer = TensorBoardWriter(self.outputs.path("tensorboard"))
             if "wandb" in targets:
                 from clip_jax.wandb_report import WandbWriter
 
-                self.wandb = WandbWriter(self.run_dir, project=config.wandb_project,
-                                         name=os.path.basename(os.path.normpath(self.run_dir)), config=config.to_dict())
+                self.wandb = WandbWriter(self.outputs.local_dir, project=config.wandb_project,
+                                         name=storage.basename(self.run_dir), config=config.to_dict())
             if config.device_telemetry:
                 self.device_telemetry = Telemetry(devices=jax.local_devices())
                 for note in self.device_telemetry.notes:
@@ -187,7 +189,10 @@ class Trainer:
         for opened in (self.writer, self.wandb, self.device_telemetry):
             if opened is not None:
                 opened.close()
-        self.checkpoints = self.data_iter = self.writer = self.wandb = self.device_telemetry = None
+        outputs = self.outputs
+        self.checkpoints = self.data_iter = self.writer = self.wandb = self.device_telemetry = self.outputs = None
+        if outputs is not None:
+            outputs.close()  # after the writers: their last events are uploaded too
 
     def __enter__(self) -> "Trainer":
         return self
@@ -207,7 +212,7 @@ class Trainer:
         for writer in (self.writer, self.wandb):
             if writer is not None:
                 writer.write_scalars(step, scalars)
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+        with open(self.outputs.path("metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **scalars}) + "\n")
 
     def _event(self, kind: str, step: int, **fields) -> None:
@@ -218,7 +223,7 @@ class Trainer:
         for writer in (self.writer, self.wandb):
             if writer is not None:
                 writer.write_scalars(step, {f"events/{kind}": 1.0})
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+        with open(self.outputs.path("metrics.jsonl"), "a") as f:
             f.write(json.dumps({"event": kind, "step": step, **fields}) + "\n")
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -233,6 +238,8 @@ class Trainer:
     def save(self, force: bool = False) -> None:
         if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
             log.info("saving checkpoint %d", self.step)
+        if self.outputs is not None:
+            self.outputs.sync()  # a bucket gets the metrics so far with each checkpoint
 
     def _restore(self, directory: str, step: int, *, with_data: bool):
         checkpoints = self.checkpoints if directory == self.checkpoints.directory else RunCheckpoints(directory)
@@ -468,6 +475,17 @@ class Trainer:
         self._say(f"zero-shot on {evaluator.dataset.name} at step {self.step}: " +
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
+
+
+def check_run_locations(config) -> None:
+    """The bucket of a remote `logs` (written) or `resume` (read), checked by process 0: credentials, bucket,
+    endpoint and the s3fs/gcsfs package, each failure one line naming the URL."""
+    if jax.process_index() != 0:
+        return
+    if storage.is_remote(config.logs):
+        storage.check_location(config.logs, write=True)
+    if config.resume and config.resume != "latest" and storage.is_remote(config.resume):
+        storage.check_location(config.resume, write=False)
 
 
 def train(config: ml_collections.ConfigDict) -> dict:

@@ -130,9 +130,9 @@ def test_the_report_of_a_folder_without_metrics_is_one_clear_error(tmp_path, cap
     ({"report_to": "wandb", "wandb_project": "team/clip"},
      "wandb_project='team/clip' is not a W&B project name: it may not contain /"),
     ({"report_to": "tensorboard,mlflow"}, "report_to='tensorboard,mlflow': 'mlflow' unknown"),
-    ({"logs": "s3://bucket/runs"}, "logs='s3://bucket/runs': remote run directories (s3://, gs://) are not "
-     "supported"),
-    ({"resume": "gs://bucket/runs/a"}, "resume='gs://bucket/runs/a': remote run directories"),
+    ({"logs": "http://host/runs"}, "logs='http://host/runs': http:// is not a run-directory location; give a "
+     "local path, s3://bucket/prefix or gs://bucket/prefix"),
+    ({"resume": "hdfs://cluster/runs/a"}, "resume='hdfs://cluster/runs/a': hdfs:// is not a run-directory location"),
     ({"val_frequency": -1}, "val_frequency=-1 must not be negative"),
 ])
 def test_bad_settings_are_one_clear_line(overrides, message, tmp_path):

@@ -1,0 +1,231 @@
+"""Run directories on object storage: a tiny run on a local S3 server (moto), stopped, resumed from the bucket, and
+compared with the same run on local disk; keep-N, half-written steps, the report CLI and the errors a user meets.
+gs:// cannot be served locally: its choices are checked without network."""
+
+import importlib.util
+import json
+import os
+import socket
+
+import boto3
+import jax
+import numpy as np
+import pytest
+
+from clip_jax import report as report_lib
+from clip_jax import storage
+from clip_jax import train as train_lib
+from clip_jax.checkpoint import RunCheckpoints, latest_complete_step, read_params, resolve_resume
+from clip_jax.config import check_config
+from clip_jax.data import make_shards
+from clip_jax.errors import MissingInput, RunFailed
+from trainer_run import tiny_config
+
+BUCKET = "clip-runs"
+STOP_AT = 10  # the stopped run saves here; 16 steps in all, a checkpoint every 4, the newest 2 kept
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free localhost port, the AWS_* variables pointing at it, and an empty bucket."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test-key",
+                           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_REGION": "us-east-1",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}.items():
+            env.setenv(key, value)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+    server.stop()
+
+
+def keys(client, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", ()))
+
+
+def steps_on_bucket(client, run: str) -> list[int]:
+    """Step folders under RUN/checkpoints/ that hold a commit marker, read with boto3 alone."""
+    prefix = f"{run}/checkpoints/"
+    return sorted({int(key[len(prefix):].split("/")[0]) for key in keys(client, prefix)
+                   if key.endswith("/commit_success.txt") and key[len(prefix):].count("/") == 1})
+
+
+def losses_from_text(text: str) -> dict[int, float]:
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, trainer_model_file):
+    out = str(tmp_path_factory.mktemp("shards"))
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=1024), out, 256)
+    return make_shards.shard_pattern(paths), trainer_model_file
+
+
+def stop_at(step):
+    """A stand-in for the trainer's StopSignal that agrees on a stop (as after SIGTERM) once `Stop.trainer` has
+    reached `step`."""
+    class Stop:
+        received = "SIGTERM"
+        trainer = None
+
+        def agreed(self):
+            return Stop.trainer.step >= step
+
+        def restore(self):
+            pass
+    return Stop
+
+
+@pytest.fixture(scope="module")
+def runs(s3, shards, tmp_path_factory):
+    """The same 16-step run on local disk, uninterrupted, and on the bucket, stopped at step 10 and resumed."""
+    settings = dict(train_num_samples=1024, save_every_steps=4, keep=2, report_to="tensorboard")
+    local_logs = tmp_path_factory.mktemp("local")
+    train_lib.train(tiny_config(shards, local_logs, **settings))
+
+    remote = tiny_config(shards, f"s3://{BUCKET}/runs", resume="latest", **settings)
+    with pytest.MonkeyPatch.context() as patch:
+        stop = stop_at(STOP_AT)
+        patch.setattr(train_lib, "StopSignal", stop)
+        with train_lib.Trainer(remote) as trainer:
+            stop.trainer = trainer
+            assert trainer.train() == {"stopped_at": STOP_AT}
+    steps_when_stopped = steps_on_bucket(s3, "runs/run")
+    metrics_when_stopped = s3.get_object(Bucket=BUCKET, Key="runs/run/metrics.jsonl")["Body"].read().decode()
+    resumed = train_lib.train(remote)
+    return {"local": str(local_logs / "run"), "remote": f"s3://{BUCKET}/runs/run", "resumed": resumed,
+            "steps_when_stopped": steps_when_stopped, "metrics_when_stopped": metrics_when_stopped}
+
+
+def test_a_run_stopped_and_resumed_on_the_bucket_ends_as_the_uninterrupted_one(runs):
+    assert runs["resumed"]["step"] == 16
+    local = jax.tree_util.tree_flatten_with_path(read_params(runs["local"]))[0]
+    remote = dict(jax.tree_util.tree_flatten_with_path(read_params(runs["remote"]))[0])
+    assert len(local) == len(remote) > 0
+    for path, value in local:
+        np.testing.assert_allclose(remote[path], value, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_keep_n_deletes_old_steps_on_the_bucket(runs, s3):
+    assert runs["steps_when_stopped"] == [8, STOP_AT]  # step 4 was deleted when 8 and 10 were saved
+    assert steps_on_bucket(s3, "runs/run") == [12, 16]
+    folders = {key.split("/")[3] for key in keys(s3, "runs/run/checkpoints/")}
+    assert folders == {"12", "16"}, folders  # deleted steps leave no objects behind
+    assert any(key.startswith("runs/run/checkpoints/16/data_iter/") for key in keys(s3, "runs/run/checkpoints/16/"))
+
+
+def test_metrics_config_and_events_are_uploaded_at_saves_and_exit(runs, s3):
+    stopped = losses_from_text(runs["metrics_when_stopped"])
+    assert sorted(stopped) == list(range(1, STOP_AT + 1))
+    final = losses_from_text(s3.get_object(Bucket=BUCKET, Key="runs/run/metrics.jsonl")["Body"].read().decode())
+    assert sorted(final) == list(range(1, 17))  # the resumed run appended to the downloaded history
+    with open(os.path.join(runs["local"], "metrics.jsonl")) as f:
+        local = losses_from_text(f.read())
+    np.testing.assert_allclose([final[s] for s in range(1, 17)], [local[s] for s in range(1, 17)], rtol=1e-5)
+    config = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/run/config.json")["Body"].read())
+    assert config["logs"] == f"s3://{BUCKET}/runs"
+    events = [k for k in keys(s3, "runs/run/tensorboard/") if "tfevents" in k]
+    assert len(events) == 2  # one event file per session
+
+
+def copy_step(s3, source: str, target: str, *, without: str | None = None) -> None:
+    """Copies the objects of step folder `source` to `target` (bucket keys), leaving out the key `without` ends in."""
+    for key in keys(s3, source + "/"):
+        if without is None or not key.endswith(without):
+            s3.copy_object(Bucket=BUCKET, Key=target + key[len(source):], CopySource={"Bucket": BUCKET, "Key": key})
+
+
+def test_a_half_written_step_is_never_resumed_from(runs, s3):
+    run, folder = f"s3://{BUCKET}/half/run", "half/run/checkpoints"
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/16")
+    assert latest_complete_step(f"{run}/checkpoints") == 16
+    # Step 16 again as step 20 without the step's commit marker, written last: a save cut off before its end (the
+    # items' own markers are there).
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/20", without="16/commit_success.txt")
+    assert f"{folder}/20/state/commit_success.txt" in keys(s3, f"{folder}/20/")
+    assert f"{folder}/20/commit_success.txt" not in keys(s3, f"{folder}/20/")
+    assert latest_complete_step(f"{run}/checkpoints") == 16
+    assert resolve_resume("latest", run) == (f"{run}/checkpoints", 16)
+    assert resolve_resume(run, run) == (f"{run}/checkpoints", 16)
+    with pytest.raises(MissingInput, match="never completed"):
+        resolve_resume(f"{run}/checkpoints/20", run)
+    # A step another process completed since this one last looked is seen (no stale listing).
+    copy_step(s3, "runs/run/checkpoints/16", f"{folder}/24")
+    assert latest_complete_step(f"{run}/checkpoints") == 24
+    checkpoints = RunCheckpoints(f"{run}/checkpoints")
+    try:
+        assert checkpoints.all_steps() == [16, 24]
+    finally:
+        checkpoints.close()
+    # The manager of a restarted run clears the unfinished step, so that step can be saved again.
+    assert keys(s3, f"{folder}/20/") == []
+
+
+def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
+    output = tmp_path / "report.png"
+    assert report_lib.main([runs["remote"], "--output", str(output)]) == 0
+    table = capsys.readouterr().out
+    assert output.read_bytes()[:4] == b"\x89PNG"
+    assert "loss" in table
+    assert report_lib.main([runs["remote"]]) == 0  # the default PNG lands next to the metrics, on the bucket
+    assert s3.get_object(Bucket=BUCKET, Key="runs/run/report.png")["Body"].read()[:4] == b"\x89PNG"
+
+
+def test_a_missing_bucket_is_one_clear_line(s3, shards):
+    with pytest.raises(MissingInput, match="bucket s3://no-such-bucket .*does not exist"):
+        train_lib.Trainer(tiny_config(shards, "s3://no-such-bucket/runs"))
+
+
+def test_missing_credentials_are_one_clear_line(s3, shards, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(RunFailed, match=f"s3://{BUCKET}/runs: no usable credentials .*AWS_ACCESS_KEY_ID"):
+        train_lib.Trainer(tiny_config(shards, f"s3://{BUCKET}/runs"))
+
+
+def test_an_unreachable_endpoint_is_one_clear_line(s3, shards, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    with pytest.raises(RunFailed, match="cannot reach the storage endpoint"):
+        train_lib.Trainer(tiny_config(shards, f"s3://{BUCKET}/runs"))
+
+
+def test_gs_run_directories_take_the_commit_file_scheme_without_network(shards, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    check_config(tiny_config(shards, "gs://bucket/runs"), num_devices=8)
+    assert storage.checkpoint_temporary_path_class("gs://bucket/runs/run/checkpoints") \
+        is atomicity.CommitFileTemporaryPath
+    assert storage.checkpoint_temporary_path_class("s3://bucket/runs/run/checkpoints") \
+        is atomicity.CommitFileTemporaryPath
+    assert storage.checkpoint_temporary_path_class("/tmp/runs/run/checkpoints") is None
+    storage.enable_orbax_s3()  # s3 support leaves gs:// and local paths to Orbax's own specs
+    gs_spec = tensorstore_utils.build_kvstore_tspec("gs://bucket/runs/1/state", use_ocdbt=False)
+    assert gs_spec["driver"].startswith("gcs") and gs_spec["bucket"] == "bucket"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://store.example:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    s3_spec = tensorstore_utils.build_kvstore_tspec("s3://bucket/runs/1/state", use_ocdbt=False)
+    assert s3_spec == {"driver": "s3", "bucket": "bucket", "path": "runs/1/state/",
+                       "endpoint": "http://store.example:9000", "aws_region": "eu-west-3"}
+    assert tensorstore_utils.build_kvstore_tspec("/tmp/x", use_ocdbt=False)["driver"] == "file"
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gcsfs" else real_find_spec(name, *a))
+    with pytest.raises(MissingInput, match=r"gs:// run directories need the gcsfs package: pip install "
+                                           r"'clipjax-train\[remote\]'"):
+        train_lib.Trainer(tiny_config(shards, "gs://bucket/runs"))
