@@ -3,6 +3,7 @@ resume that restores the BatchNorm statistics), the export that real OpenCLIP lo
 the eval script and `create_model_and_transforms` on the run and the export, and pretrained starts that bring the
 statistics along."""
 
+import functools
 import json
 
 import jax
@@ -32,6 +33,15 @@ RUN_RN = {
 }
 STEPS, STOP_AT = 6, 3  # 384 samples, 64 a step
 EVAL = {"zeroshot_data": "demo", "zeroshot_samples": 64}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_compiled_step():
+    """Every trainer of this module builds the same step: `build_step` is pure, so one per (spec, mesh) is built and
+    compiled once (the resumed trainer still restores its state from the checkpoint)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_lib, "build_step", functools.cache(train_lib.build_step))
+        yield
 
 
 @pytest.fixture(scope="module")
