@@ -14,7 +14,7 @@ import torch
 from safetensors.numpy import load_file
 
 import clip_jax
-from clip_jax import convert, export, zeroshot
+from clip_jax import convert, export, similarity, zeroshot
 from clip_jax import train as train_lib
 from clip_jax.checkpoint import read_params, read_variables
 from clip_jax.data import make_shards
@@ -150,6 +150,8 @@ def test_the_eval_script_reads_the_run_and_the_export_as_the_trainer_evaluated(s
                               "--output", str(output)]) == 0
         top1[name] = [m["top1"] for m in json.loads(output.read_text())["results"].values()]
     assert top1["run"] == top1["export"] == [pytest.approx(result["zeroshot_top1"], abs=1e-9)]
+    # the similarity demo, on the exported OpenCLIP weights (converted with their statistics)
+    assert similarity.main(["--model", shards[1], "--checkpoint", str(exported / "open_clip_model.safetensors")]) == 0
 
 
 def test_a_pretrained_start_brings_params_and_batch_stats(shards, run, exported, tmp_path):
