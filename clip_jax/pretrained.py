@@ -1,8 +1,9 @@
-"""Weights a model starts from, whatever holds them: `load_pretrained(path, model)`.
+"""Weights a model starts from, whatever holds them: `load_pretrained(path, model)` (params), or
+`load_pretrained_variables(path, model)` (params, and a ResNet image tower's BatchNorm statistics as `batch_stats`).
 
 `path` may be
 - an OpenCLIP checkpoint file (`.pt`/`.pth`/`.bin`, `.safetensors`, `.npz`), converted on the fly;
-- a clip_jax params file (`.npz` written by `clip_jax.convert`);
+- a clip_jax params (or variables) file (`.npz` written by `clip_jax.convert`);
 - an exported model folder (`open_clip_config.json` + `open_clip_model.safetensors`, what `python -m clip_jax.export`
   writes and OpenCLIP loads as `local-dir:PATH`);
 - a clip_jax run directory (its newest checkpoint), its `checkpoints` folder, or one `checkpoints/STEP` folder.
