@@ -213,7 +213,15 @@ def _complete(directory: str, name: str) -> bool:
 
 def read_params(path: str) -> dict:
     """Host (numpy, float32) params from a run directory (its newest checkpoint), its `checkpoints` folder, or one
-    step folder `.../checkpoints/STEP`: what evaluation needs, on any number of devices."""
+    step folder `.../checkpoints/STEP`: what evaluation needs, on any number of devices. A ResNet image tower also
+    needs its BatchNorm statistics: `read_variables`."""
+    return read_variables(path)["params"]
+
+
+def read_variables(path: str) -> dict:
+    """Host variables from a run (`path` as for `read_params`): `{"params": ...}`, and `"batch_stats"` (float
+    statistics float32, `num_batches_tracked` int32) when the run's image tower is a ResNet; what `model.apply`
+    takes in eval mode."""
     import numpy as np
 
     directory, step = resolve_resume(path, run_dir=path)
@@ -222,5 +230,9 @@ def read_params(path: str) -> dict:
     state_dir = storage.join(directory, str(step), STATE)
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))
     state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-    return jax.tree.map(lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        state["params"])
+    to_host = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    variables = {"params": to_host(state["params"])}
+    if state.get("batch_stats") is not None:
+        variables["batch_stats"] = to_host(state["batch_stats"])
+    return variables

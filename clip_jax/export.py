@@ -18,10 +18,10 @@ import os
 import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg, require_vit
+from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
-from clip_jax.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained, read_run_config,
-                                 run_directory)
+from clip_jax.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained_variables,
+                                 read_run_config, run_directory)
 
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
 INTERPOLATION, RESIZE_MODE = "bicubic", "shortest"
@@ -43,11 +43,13 @@ def run_model_config(run_config) -> CLIPConfig:
 
 
 def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> None:
-    """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed)."""
-    from clip_jax.convert import to_open_clip, write_open_clip
+    """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed). A ResNet image tower's
+    are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
+    and num_batches_tracked."""
+    from clip_jax.convert import variables_to_open_clip, write_open_clip
+    from clip_jax.evaluation.encoder import as_variables
 
-    require_vit(model, "export")
-    state_dict = to_open_clip(params, model)
+    state_dict = variables_to_open_clip(as_variables(params), model)
     os.makedirs(out_dir, exist_ok=True)
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
     config = {"model_cfg": open_clip_model_cfg(model),
@@ -89,7 +91,7 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     mean, std = tuple(OPENAI_MEAN if mean is None else mean), tuple(OPENAI_STD if std is None else std)
     if len(mean) != 3 or len(std) != 3:
         raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
-    export_open_clip(load_pretrained(source, config), config, out_dir, mean=mean, std=std)
+    export_open_clip(load_pretrained_variables(source, config), config, out_dir, mean=mean, std=std)
     return config
 
 

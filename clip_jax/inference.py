@@ -85,7 +85,9 @@ def pretrained_model_config(pretrained: str | None):
 
 def create_model_and_transforms(name_or_config, pretrained: str | None = None, *, image_mean=None, image_std=None,
                                 dtype=None, seed: int = 0) -> tuple:
-    """(model, params, train_transform, eval_transform), like OpenCLIP's function of the same name.
+    """(model, params, train_transform, eval_transform), like OpenCLIP's function of the same name. For a ResNet
+    image tower `params` are its variables `{"params": ..., "batch_stats": ...}`, which `model.apply` takes as they
+    are (eval mode: BatchNorm's running statistics); a ViT model's are its params tree (`{"params": params}`).
 
     `name_or_config` None: the model an exported folder or a run given as `pretrained` holds (a run's at the image
     size it trained at; a model named here instead gets the weights fitted to its own size, as OpenCLIP does).
@@ -97,9 +99,8 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
     import jax
     import jax.numpy as jnp
 
-    from clip_jax.models import create_model, get_model_config, init_params
-    from clip_jax.models.config import require_vit
-    from clip_jax.pretrained import export_model_config, load_pretrained
+    from clip_jax.models import create_model, get_model_config, init_variables, is_resnet
+    from clip_jax.pretrained import export_model_config, load_pretrained_variables
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
         folder = name_or_config[len(LOCAL_DIR):]
@@ -109,9 +110,12 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
         config = pretrained_model_config(pretrained)
     else:
         config = get_model_config(name_or_config)
-    require_vit(config, "create_model_and_transforms (params without BatchNorm statistics)")
     model = create_model(config, dtype=jnp.float32 if dtype is None else dtype)
-    params = init_params(model, jax.random.key(seed)) if pretrained is None else load_pretrained(pretrained, config)
+    if pretrained is None:
+        variables = init_variables(model, jax.random.key(seed))
+    else:
+        variables = load_pretrained_variables(pretrained, config)
+    params = variables if is_resnet(config) else variables["params"]
     saved = saved_preprocessing(pretrained)
     mean = tuple(image_mean or saved.get("mean") or OPENAI_MEAN)
     std = tuple(image_std or saved.get("std") or OPENAI_STD)

@@ -1,8 +1,9 @@
-"""Weights a model starts from, whatever holds them: `load_pretrained(path, model)`.
+"""Weights a model starts from, whatever holds them: `load_pretrained(path, model)` (params), or
+`load_pretrained_variables(path, model)` (params, and a ResNet image tower's BatchNorm statistics as `batch_stats`).
 
 `path` may be
 - an OpenCLIP checkpoint file (`.pt`/`.pth`/`.bin`, `.safetensors`, `.npz`), converted on the fly;
-- a clip_jax params file (`.npz` written by `clip_jax.convert`);
+- a clip_jax params (or variables) file (`.npz` written by `clip_jax.convert`);
 - an exported model folder (`open_clip_config.json` + `open_clip_model.safetensors`, what `python -m clip_jax.export`
   writes and OpenCLIP loads as `local-dir:PATH`);
 - a clip_jax run directory (its newest checkpoint), its `checkpoints` folder, or one `checkpoints/STEP` folder.
@@ -19,7 +20,7 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config, require_vit
+from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config, is_resnet
 
 EXPORT_CONFIG = "open_clip_config.json"
 EXPORT_WEIGHTS = "open_clip_model.safetensors"
@@ -145,11 +146,21 @@ def read_run_config(path: str):
 
 
 def load_pretrained(path: str, name_or_config) -> dict:
-    """Host params (numpy, float32) of the model `name_or_config` from `path` (see the module docstring)."""
-    from clip_jax.convert import _is_clip_jax, from_open_clip, load_params, read_arrays
+    """Host params (numpy, float32) of the model `name_or_config` from `path` (see the module docstring). A ResNet
+    image tower also needs its BatchNorm statistics: `load_pretrained_variables`."""
+    config = get_model_config(name_or_config)
+    if is_resnet(config):
+        raise InvalidInput(f"{config.name} has a ResNet image tower: its weights are params and BatchNorm "
+                           "statistics; load both with load_pretrained_variables")
+    return load_pretrained_variables(path, config)["params"]
+
+
+def load_pretrained_variables(path: str, name_or_config) -> dict:
+    """Host variables of the model `name_or_config` from `path` (see the module docstring): `{"params": ...}`, and
+    `"batch_stats"` (BatchNorm's running statistics) for a ResNet image tower; what `model.apply` takes."""
+    from clip_jax.convert import _is_clip_jax, _unflatten, read_arrays, variables_from_open_clip
 
     config = get_model_config(name_or_config)
-    require_vit(config, "load_pretrained (a pretrained start)")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise MissingInput(f"pretrained weights {path} do not exist")
@@ -157,30 +168,39 @@ def load_pretrained(path: str, name_or_config) -> dict:
         read_export_config(path)  # an exported folder is whole: its config says how to preprocess
         weights = export_weights_file(path)
     elif os.path.isdir(path):
-        from clip_jax.checkpoint import CheckpointNotFoundError, read_params
+        from clip_jax.checkpoint import CheckpointNotFoundError, read_variables
 
         try:
-            params = read_params(path)
+            variables = read_variables(path)
         except CheckpointNotFoundError as e:
             raise MissingInput(f"{path} is neither an exported model folder (no {EXPORT_CONFIG}) nor a clip_jax run "
                                f"with a checkpoint ({e})") from None
-        return _checked_tree(_fitted_tree(params, config), config, path)
+        return _checked_variables(_fitted_variables(variables, config), config, path)
     else:
         weights = path
     arrays = read_arrays(weights)
     if _is_clip_jax(arrays):
-        return _checked_tree(_fitted_tree(load_params(weights), config), config, weights)
+        tree = _unflatten(arrays)  # checked once fitted (another image size, a logit_bias to add)
+        variables = tree if "params" in tree else {"params": tree}
+        return _checked_variables(_fitted_variables(variables, config), config, weights)
     try:
-        return from_open_clip(_fitted_state_dict(arrays, config), config)
+        return variables_from_open_clip(_fitted_state_dict(arrays, config), config)
     except InvalidInput as e:
         raise InvalidInput(f"pretrained weights {weights}: {e}") from None
 
 
-def _checked_tree(params: dict, config: CLIPConfig, where: str) -> dict:
-    from clip_jax.convert import to_open_clip
+def _fitted_variables(variables: dict, config: CLIPConfig) -> dict:
+    return {**variables, "params": _fitted_tree(variables["params"], config)}
 
+
+def _checked_variables(variables: dict, config: CLIPConfig, where: str) -> dict:
+    from clip_jax.convert import variables_to_open_clip
+
+    if not is_resnet(config) and set(variables) != {"params"}:
+        raise InvalidInput(f"pretrained weights {where} hold {sorted(set(variables) - {'params'})} besides params: "
+                           f"they are not of {config.name}, a ViT model")
     try:
-        to_open_clip(params, config)  # refuses, naming the keys and shapes, params of another model
+        variables_to_open_clip(variables, config)  # refuses, naming the keys and shapes, weights of another model
     except InvalidInput as e:
         raise InvalidInput(f"pretrained weights {where}: {e}") from None
-    return params
+    return variables

@@ -2,8 +2,8 @@
 
 By default: one Fashion-MNIST test image per class (the bundled demo data) against the prompt "a photo of a {class}."
 for each class, with a freshly initialised model, which shows the whole path (data -> eval transform -> tokenizer ->
-both towers) but matches at chance. Give `--checkpoint` (clip_jax params, or an OpenCLIP checkpoint converted on the
-fly) to see a trained model's zero-shot guesses.
+both towers) but matches at chance. Give `--checkpoint` (clip_jax params or variables, or an OpenCLIP checkpoint
+converted on the fly) to see a trained model's zero-shot guesses.
 """
 
 import argparse
@@ -13,12 +13,11 @@ import jax
 import numpy as np
 from PIL import Image
 
-from clip_jax.convert import load_params
+from clip_jax.convert import load_variables
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
 from clip_jax.errors import UserError
-from clip_jax.models import create_model, init_params
-from clip_jax.models.config import require_vit
+from clip_jax.models import create_model, init_variables
 from clip_jax.tokenizer import tokenize
 
 
@@ -57,14 +56,14 @@ def main(argv=None) -> int:
 
     try:
         model = create_model(args.model)
-        require_vit(model.config, "the similarity demo")
         grey, labels = fashion_mnist.load("test", args.data_dir)
-        params = load_params(args.checkpoint, args.model) if args.checkpoint else None
+        # params, and a ResNet image tower's BatchNorm statistics (applied in eval mode)
+        variables = load_variables(args.checkpoint, args.model) if args.checkpoint else None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if params is None:
-        params = init_params(model, jax.random.key(args.seed))
+    if variables is None:
+        variables = init_variables(model, jax.random.key(args.seed))
         print(f"{args.model}: freshly initialised (seed {args.seed}); expect chance-level matches")
 
     classes = fashion_mnist.CLASS_NAMES
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
     prompts = [f"a photo of {fashion_mnist.with_article(c)}." for c in classes]
     tokens = tokenize(prompts, context_length=model.config.text.context_length)
 
-    image_f, text_f, scale = jax.jit(model.apply)({"params": params}, images, tokens)
+    image_f, text_f, scale = jax.jit(model.apply)(variables, images, tokens)
     probs = np.asarray(jax.nn.softmax(scale * image_f @ text_f.T, axis=-1))  # [images, prompts]
     print(format_table(probs, [classes[int(y)] for y in labels], classes))
     correct = int(np.sum(np.argmax(probs, -1) == labels))

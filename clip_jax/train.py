@@ -29,10 +29,10 @@ from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config, report_targets
 from clip_jax.device_telemetry import Telemetry, progress_parts
 from clip_jax.distributed import initialize_from_environment
-from clip_jax.errors import RunFailed, UserError
+from clip_jax.errors import InvalidInput, RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
-from clip_jax.models import create_model
+from clip_jax.models import create_model, is_resnet
 from clip_jax.models.flops import train_flops
 from clip_jax.parallel import make_global_batch
 from clip_jax.preemption import StopSignal
@@ -111,7 +111,7 @@ class Trainer:
         self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
-        self.flops_per_sample = train_flops(spec.model)
+        self.flops_per_sample = _train_flops(spec.model)
         self.data_iter = self.checkpoints = self.writer = self.wandb = self.device_telemetry = self.val_set = None
         self.outputs = None  # metrics.jsonl, TensorBoard and W&B files: process 0's, staged locally for a bucket
         try:
@@ -170,14 +170,18 @@ class Trainer:
             self.val_set = open_validation_set(config.val_data, config.val_num_samples)
 
     def _pretrained_state(self, path: str):
-        """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes),
-        a fresh optimizer state, step 0."""
-        from clip_jax.pretrained import load_pretrained
+        """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes) and,
+        for a ResNet image tower, their BatchNorm statistics; a fresh optimizer state, step 0."""
+        from clip_jax.pretrained import load_pretrained_variables
 
-        params = load_pretrained(path, self.engine.spec.model)
-        params = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), params, self.engine.abstract_state.params)
-        self._say(f"params from pretrained {path}")
-        return self.engine.state_from_params(params)
+        variables = load_pretrained_variables(path, self.engine.spec.model)
+        abstract = self.engine.abstract_state
+        in_dtypes = lambda tree, like: jax.tree.map(lambda p, a: np.asarray(p, a.dtype), tree, like)  # noqa: E731
+        params = in_dtypes(variables["params"], abstract.params)
+        batch_stats = None if abstract.batch_stats is None else in_dtypes(variables["batch_stats"],
+                                                                           abstract.batch_stats)
+        self._say(f"params{' and BatchNorm statistics' if batch_stats is not None else ''} from pretrained {path}")
+        return self.engine.state_from_params(params, batch_stats)
 
     def close(self) -> None:
         """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None)."""
@@ -397,7 +401,8 @@ class Trainer:
         scalars.update(
             samples_per_sec=samples_per_sec,
             samples_per_sec_per_device=samples_per_sec / jax.device_count(),
-            mfu=(samples_per_sec * self.flops_per_sample / (peak * jax.device_count())) if peak else None,
+            mfu=(samples_per_sec * self.flops_per_sample / (peak * jax.device_count()))
+            if peak and self.flops_per_sample else None,
             data_wait_fraction=data_wait / max(elapsed, 1e-9),
             **data.skip_scalars(self.data_iter.skipped_samples()),
             skipped_updates=self.skipped_updates,
@@ -459,7 +464,7 @@ class Trainer:
         from clip_jax.evaluation.validation import validate
 
         c = self.config
-        metrics = validate(self.val_model, self.state.params, self.val_set, self.mesh,
+        metrics = validate(self.val_model, self._eval_weights(), self.val_set, self.mesh,
                            batch_size=eval_batch_size(self.mesh),
                            loss_batch_size=self.schedule.global_batch, mean=tuple(c.image_mean),
                            std=tuple(c.image_std), loss=c.loss)
@@ -468,9 +473,16 @@ class Trainer:
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
 
+    def _eval_weights(self):
+        """The current state's params, with its BatchNorm running statistics for a ResNet image tower (evaluation
+        runs in eval mode)."""
+        from clip_jax.evaluation.encoder import eval_variables
+
+        return eval_variables(self.state.params, self.state.batch_stats)
+
     def zeroshot(self) -> dict:
         evaluator = self.zeroshot_evaluator
-        metrics = evaluator(self.state.params)
+        metrics = evaluator(self._eval_weights())
         result = {f"zeroshot_{k}": float(v) for k, v in metrics.items() if k.startswith("top")}
         self._say(f"zero-shot on {evaluator.dataset.name} at step {self.step}: " +
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
@@ -486,6 +498,17 @@ def check_run_locations(config) -> None:
         storage.check_location(config.logs, write=True)
     if config.resume and config.resume != "latest" and storage.is_remote(config.resume):
         storage.check_location(config.resume, write=False)
+
+
+def _train_flops(model) -> float | None:
+    """Model FLOPs per trained sample (for MFU); None where the analytic count is not built (a ResNet image tower):
+    the run then logs no MFU."""
+    try:
+        return train_flops(model)
+    except InvalidInput:
+        if is_resnet(model):
+            return None
+        raise
 
 
 def train(config: ml_collections.ConfigDict) -> dict:

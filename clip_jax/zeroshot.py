@@ -38,18 +38,19 @@ from clip_jax.evaluation.datasets import ClassificationSet, open_classification_
 from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
-from clip_jax.models import create_model, init_params
-from clip_jax.models.config import require_vit
+from clip_jax.models import create_model, get_model_config, init_variables, is_resnet
 from clip_jax.parallel import create_mesh
 from clip_jax.inference import pretrained_model_config, saved_preprocessing
-from clip_jax.pretrained import load_pretrained
+from clip_jax.pretrained import load_pretrained_variables
 
 
 def read_checkpoint(checkpoint: str, model) -> dict:
     """Host params of `model` (a name, model-config file or `CLIPConfig`) from a training run (run directory, or
     one `checkpoints/STEP` folder), an exported model folder, a clip_jax params file, or an OpenCLIP checkpoint
-    (converted on the fly)."""
-    return load_pretrained(checkpoint, model)
+    (converted on the fly). A ResNet image tower's are its variables (params and BatchNorm statistics), which the
+    evaluation applies in eval mode."""
+    variables = load_pretrained_variables(checkpoint, model)
+    return variables if is_resnet(get_model_config(model)) else variables["params"]
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:
@@ -167,7 +168,6 @@ def run(args) -> dict:
     else:
         model_config = args.model
     model = create_model(model_config, dtype=args.compute_dtype)
-    require_vit(model.config, "zero-shot evaluation")
     check_vocabulary(model)
     mesh = create_mesh()
     datasets = classification_sets(args)
@@ -178,7 +178,8 @@ def run(args) -> dict:
     if args.checkpoint:
         params = read_checkpoint(args.checkpoint, model.config)
     else:
-        params = init_params(model, jax.random.key(args.seed))
+        variables = init_variables(model, jax.random.key(args.seed))
+        params = variables if is_resnet(model.config) else variables["params"]
         if jax.process_index() == 0:
             print(f"{args.model}: no --checkpoint, freshly initialised (seed {args.seed}); expect chance level")
     params = replicate(params, mesh)  # placed once, used by every dataset

@@ -5,16 +5,23 @@ running trainer holds them, e.g. FSDP-sharded). Features are computed in the mod
 model was created with another) and are L2-normalised. Every function works with several processes: host arrays
 that every process holds in full are split with `jax.make_array_from_callback`, and features meant for the host come
 back replicated, so every process can read them.
+
+What the functions call `params` is a model's weights as `model.apply` needs them: a ViT model's params tree, or
+the variables `{"params": ..., "batch_stats": ...}` of a ResNet image tower, whose BatchNorm layers evaluate with
+their running statistics (eval mode). Either form is accepted for a ViT.
 """
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
+from clip_jax.models.config import is_resnet
 from clip_jax.parallel import batch_sharding, replicated
 
 
@@ -32,6 +39,22 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(place, tree)
 
 
+def as_variables(weights) -> dict:
+    """`weights` (a params tree, or variables with a `params` collection) as the variables `model.apply` takes. A
+    CLIP params tree never has a top-level `params` key, so the two cannot be confused."""
+    return dict(weights) if isinstance(weights, Mapping) and "params" in weights else {"params": weights}
+
+
+def params_of(weights) -> dict:
+    """The params of `weights` (a params tree or variables): what holds `logit_scale`, `logit_bias`."""
+    return as_variables(weights)["params"]
+
+
+def eval_variables(params, batch_stats=None) -> Any:
+    """What evaluation takes of a train state: its params, with its BatchNorm statistics when it has them."""
+    return params if batch_stats is None else {"params": params, "batch_stats": batch_stats}
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -47,7 +70,7 @@ def shard_rows(rows: np.ndarray, mesh: Mesh) -> jax.Array:
 def _features(model, tower: str, out_sharding: NamedSharding | None, params, rows):
     """Features [B, E] of `rows` [B, ...] by `model.<tower>`; placed as `out_sharding`, or as XLA chooses (split like
     the rows) when it is None. One compilation per model, tower, placement and shape."""
-    features = model.apply({"params": params}, rows, method=tower)
+    features = model.apply(as_variables(params), rows, method=tower)
     return features if out_sharding is None else jax.lax.with_sharding_constraint(features, out_sharding)
 
 
@@ -59,7 +82,13 @@ class ShardedEncoder:
         self.model, self.mesh = model, mesh
 
     def place(self, params):
-        """Params ready for every call below (see `replicate`); place them once per evaluation."""
+        """Params (or variables) ready for every call below (see `replicate`); place them once per evaluation. A
+        ResNet image tower's need their BatchNorm statistics."""
+        if is_resnet(self.model.config) and "batch_stats" not in as_variables(params):
+            raise InvalidInput(f"{self.model.config.name}: a ResNet image tower evaluates with its BatchNorm running "
+                               "statistics: give the variables {'params': ..., 'batch_stats': ...} (e.g. "
+                               "clip_jax.checkpoint.read_variables, clip_jax.pretrained.load_pretrained_variables), "
+                               "not its params alone")
         return replicate(params, self.mesh)
 
     def image_features(self, params, images: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import tokenize_for
-from clip_jax.evaluation.encoder import ShardedEncoder, round_up
+from clip_jax.evaluation.encoder import ShardedEncoder, params_of, round_up
 from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.retrieval import encode_retrieval_images, first_images
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set
@@ -71,7 +71,8 @@ def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: in
              mean: Sequence[float], std: Sequence[float], ks: Sequence[int] = (1, 5, 10),
              text_batch_size: int = 1024, loss: str | None = None) -> dict[str, float]:
     """`loss`, `image_to_text_recall@k`, `text_to_image_recall@k`, `num_images` of `params` on `val_set`.
-    `params` may be as a trainer holds them (e.g. FSDP-sharded); every process gets the same numbers. `loss`: the
+    `params` may be as a trainer holds them (e.g. FSDP-sharded; a ResNet image tower's with its batch_stats, see
+    `encoder.eval_variables`); every process gets the same numbers. `loss`: the
     run's ("clip": softmax, "siglip": sigmoid with the params' logit_bias); None: sigmoid when the params have a
     logit_bias."""
     encoder = ShardedEncoder(model, mesh)
@@ -81,6 +82,7 @@ def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: in
                                              mean=mean, std=std)
     text_features = encoder.encode_texts(params, tokenize_for(model, val_set.captions), text_batch_size)
     metrics = retrieval_recall(image_features, text_features, val_set.caption_image, ks)
+    params = params_of(params)
     scale = float(np.exp(np.asarray(jax.device_get(params["logit_scale"]), np.float64)))
     sigmoid = "logit_bias" in params if loss is None else loss == "siglip"
     bias = float(np.asarray(jax.device_get(params["logit_bias"]))) if sigmoid else None

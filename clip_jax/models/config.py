@@ -184,9 +184,8 @@ def is_resnet(config: "CLIPConfig | VisionConfig | ResNetVisionConfig") -> bool:
 def require_vit(config: "CLIPConfig", what: str) -> None:
     """Refuses a ResNet model where only ViT towers are built: `what` names the thing asked for."""
     if is_resnet(config):
-        raise InvalidInput(f"{config.name}: {what} is not built for ResNet image towers; ResNet towers are "
-                           "features/conversion only in this build (create_model and model.apply, init_variables, "
-                           "clip_jax.convert, step_factory.build_step)")
+        raise InvalidInput(f"{config.name}: {what} is not built for ResNet image towers yet; use a ViT model "
+                           "for it (ResNet towers train, evaluate, export and convert: see the README)")
 
 
 @dataclasses.dataclass(frozen=True)
