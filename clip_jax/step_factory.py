@@ -31,7 +31,6 @@ from clip_jax.errors import InvalidInput
 from clip_jax.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
-from clip_jax.models.config import require_vit
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.optim import create_optimizer, warmup_cosine_schedule
 from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
@@ -134,7 +133,6 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
-        require_vit(get_model_config(config.model), "a training run (the trainer, the planner)")
         optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup,
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
