@@ -241,23 +241,11 @@ def test_train_mode_batch_statistics_equal_open_clips(tiny_torch):
 # What is not built for ResNet towers is refused by name
 
 
-def test_a_training_run_of_a_resnet_model_is_refused():
-    from clip_jax.config import default_config
-    from clip_jax.step_factory import StepSpec
-
-    config = default_config()
-    config.model = "RN50"
-    with pytest.raises(InvalidInput, match="RN50: a training run .* features/conversion only"):
-        StepSpec.from_config(config, platform="cpu")
-
-
-@pytest.mark.parametrize("entry", ["flops", "pretrained", "inference", "export"])
+@pytest.mark.parametrize("entry", ["pretrained", "inference", "export"])
 def test_other_entry_points_refuse_a_resnet_model(entry, tmp_path):
     from clip_jax import export, inference, pretrained
-    from clip_jax.models import flops
 
     calls = {
-        "flops": lambda: flops.train_flops(get_model_config("RN50x4")),
         "pretrained": lambda: pretrained.load_pretrained(str(tmp_path), "RN50"),
         "inference": lambda: inference.create_model_and_transforms("RN50"),
         "export": lambda: export.export_open_clip({}, get_model_config("RN50"), str(tmp_path), mean=None, std=None),

@@ -8,6 +8,7 @@ from clip_jax import plan as planner
 from clip_jax.config import default_config
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import forward_flops, image_forward_flops, resnet_image_macs
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.parallel import create_mesh
 from clip_jax.step_factory import StepSpec
 
@@ -61,3 +62,24 @@ def test_the_planner_plans_a_resnet_run(tmp_path):
     assert memory.fits and memory.total_bytes > memory.state_bytes > 0
     assert result.flops_per_sample.forward_analytic == pytest.approx(forward_flops(get_model_config(str(model_file))))
     assert result.parameters.image > 0 and result.setup.fsdp
+
+
+def _load_config(name: str):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_the_rn50x4_config_is_the_l14_recipe_with_rn50x4_at_288_and_openais_normalisation():
+    rn, l14 = _load_config("rn50x4_laion2b"), _load_config("l14_laion2b")
+    different = {k for k in l14 if rn[k] != l14[k]}
+    assert different == {"model", "image_mean", "image_std", "name"}
+    assert rn.image_mean == OPENAI_MEAN and rn.image_std == OPENAI_STD
+    spec = StepSpec.from_config(rn, platform="gpu")
+    assert spec.model.name == "RN50x4" and spec.model.vision.image_size == 288
+    assert spec.remat_policy != "none" and spec.precision == "bf16" and not spec.fsdp
