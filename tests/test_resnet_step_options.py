@@ -82,8 +82,8 @@ def _reference(variables, accum_steps: int):
     return losses, jax.tree.map(np.array, params), jax.tree.map(np.asarray, stats)
 
 
-def _run(spec: StepSpec, variables):
-    mesh = mesh_for(spec, jax.devices()[:DEVICES])
+def _run(spec: StepSpec, variables, devices: int = DEVICES):
+    mesh = mesh_for(spec, jax.devices()[:devices])
     step = build_step(spec, mesh)
     state = step.state_from_params(variables["params"], variables["batch_stats"])
     losses = []
@@ -114,27 +114,21 @@ def _assert_matches(start, losses, state, expected):
     assert_same_update(before, after, expected_params, rtol=3e-3)
 
 
-def test_fsdp_with_remat_equals_an_independent_single_device_loop(start):
-    spec = StepSpec(TINY_RN, fsdp=True, remat_policy="nothing_saveable", optimizer=SGD)
+def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_loop(start):
+    """Each micro-batch normalised with its own statistics, the running statistics updated once per micro-batch in
+    order, the loss over the whole batch; conv kernels split over the devices, every block rematerialised."""
+    spec = StepSpec(TINY_RN, fsdp=True, remat_policy="nothing_saveable", accum_steps=2, optimizer=SGD)
     step, losses, state = _run(spec, start)
     layer4 = step.shardings.params["visual"]["layer4"]["0"]
     assert any(s is not None for s in layer4["conv3"]["kernel"].spec)  # the conv kernel is split
     assert all(s is None for s in layer4["bn3"]["scale"].spec)  # a BatchNorm vector is whole
     assert all(s is None for s in step.shardings.batch_stats["visual"]["layer4"]["0"]["bn3"]["mean"].spec)
-    _assert_matches(start, losses, state, _reference(start, accum_steps=1))
-    assert int(state.batch_stats["visual"]["bn1"]["num_batches_tracked"]) == STEPS
-
-
-def test_accumulation_normalises_each_micro_batch_and_updates_the_statistics_once_per_micro_batch(start):
-    spec = StepSpec(TINY_RN, fsdp=True, accum_steps=2, optimizer=SGD)
-    _, losses, state = _run(spec, start)
-    expected = _reference(start, accum_steps=2)
-    _assert_matches(start, losses, state, expected)
+    _assert_matches(start, losses, state, _reference(start, accum_steps=2))
     assert int(state.batch_stats["visual"]["layer3"]["0"]["bn2"]["num_batches_tracked"]) == 2 * STEPS
-    # the semantics matter: the whole batch's statistics (accum_steps=1) give another loss and other statistics
-    whole_losses, _, whole_stats = _reference(start, accum_steps=1)
-    assert abs(whole_losses[0] - losses[0]) > 1e-4
-    assert not np.allclose(whole_stats["visual"]["bn1"]["var"], np.asarray(state.batch_stats["visual"]["bn1"]["var"]))
+    # the semantics matter: normalised with the whole batch's statistics, the first step's loss is another
+    model, batch = create_model(TINY_RN), _batches()[0]
+    whole_batch, _ = model.apply(start, batch["images"], batch["tokens"], train=True, mutable=["batch_stats"])
+    assert abs(float(_clip_loss(*whole_batch)) - losses[0]) > 1e-3
 
 
 def test_a_locked_image_tower_is_frozen_batch_norm_included(start):
@@ -142,7 +136,7 @@ def test_a_locked_image_tower_is_frozen_batch_norm_included(start):
     text tower and the scale train."""
     adamw = OptimizerSpec("adamw", lr=1e-3)
     spec = StepSpec(TINY_RN, lock=LockSpec(image=True), optimizer=adamw)
-    _, losses, state = _run(spec, start)
+    _, losses, state = _run(spec, start, devices=2)
     after = jax.device_get(state)
     jax.tree.map(np.testing.assert_array_equal, after.params["visual"], start["params"]["visual"])
     jax.tree.map(np.testing.assert_array_equal, after.batch_stats, start["batch_stats"])
