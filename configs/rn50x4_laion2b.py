@@ -9,7 +9,8 @@ configs/l14_laion2b.py, field by field: the same data, epochs, schedule, optimiz
 Per-GPU batch 224, as the L/14 run: 224 x 384 GPUs = 86,016 per step, the global batch the contrastive loss sees
 (its negatives) kept from the recipe. It fits: `python -m clip_jax.plan --config=configs/rn50x4_laion2b.py
 --gpu=a100-40gb --gpus=384` (XLA:GPU's memory analysis of this step, bf16, every bottleneck block rematerialised)
-puts it within an A100-40GB's usable memory (benchmarks/RESULTS.md, section 16). BatchNorm normalises over the whole
+puts it at 13.1 GiB of an A100-40GB's 36.8 usable; 710 would fit (benchmarks/RESULTS.md, section 16), so 224 keeps
+the recipe's global batch with room to spare, not the most a GPU holds. BatchNorm normalises over the whole
 global batch of the step (see clip_jax.train_step), so the statistics are those of 86,016 images, not of one
 GPU's 224.
 
