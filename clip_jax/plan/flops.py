@@ -101,7 +101,8 @@ def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,
                      compile_step: Callable[[StepSpec], Any] | None = None) -> FlopsPerSample:
     """Analytic and XLA-counted FLOPs per sample; `compile_step(setup)` may supply (cached) compiled steps."""
     if compile_step is None:
-        compile_step = lambda s: compile_train_step(s, mesh, per_device_batch)
+        def compile_step(spec):
+            return compile_train_step(spec, mesh, per_device_batch)
     plain = dataclasses.replace(setup, remat_policy="none")
     forward_xla = loop_corrected_flops(build_step(plain, mesh).compile_forward(per_device_batch), plain,
                                        per_device_batch, train=False)
