@@ -11,6 +11,11 @@ Here the residual blocks of a tower are one stacked leaf per parameter (axis 0 =
 locked leaves no update and no optimizer state (optax's `multi_transform` with `set_to_zero`); in a partly locked
 stack the locked layers' gradients and updates are zeroed, so their moments stay 0 and they do not move. The train
 step also stops the gradients into locked params (`stop_locked_gradients`), so no backward work is spent on them.
+
+A ResNet image tower (OpenCLIP's ModifiedResNet; its `image_layers` here are the 4 stages' block counts) is locked
+whole or not at all, as OpenCLIP's `ModifiedResNet.lock` allows: `image_unlocked_groups > 0` is refused. Its
+BatchNorm statistics are not params; the train step keeps them as they are by running the locked tower's BatchNorm
+in eval mode (`clip_jax.train_step`), as OpenCLIP's `--lock-image-freeze-bn-stats` does.
 """
 
 import dataclasses
@@ -75,6 +80,9 @@ def leaf_trainable(names: list[str], lock: LockSpec, image_layers: int, text_lay
     if names[0] == "visual":
         if not lock.image:
             return True
+        if not isinstance(image_layers, int):  # a ResNet tower: its stages' block counts
+            check_resnet_lock(lock)
+            return False
         return _tower_leaf(names[1:], image_layers, lock.image_unlocked_groups, _IMAGE_STEM, "ln_post", "proj")
     if names[0] in _TEXT_TOWER:
         if not lock.text:
@@ -82,6 +90,14 @@ def leaf_trainable(names: list[str], lock: LockSpec, image_layers: int, text_lay
         return _tower_leaf(names, text_layers, lock.text_unlocked_layers, _TEXT_EMBEDDINGS, "ln_final",
                            "text_projection")
     return True  # logit_scale, logit_bias
+
+
+def check_resnet_lock(lock: LockSpec) -> None:
+    """Refuses a partly unlocked ResNet image tower: it is locked whole (OpenCLIP's ModifiedResNet.lock) or not."""
+    if lock.image and lock.image_unlocked_groups:
+        raise InvalidInput(f"lock: image_unlocked_groups={lock.image_unlocked_groups} with a ResNet image tower; a "
+                           "ResNet tower is locked whole (as OpenCLIP's ModifiedResNet.lock): set "
+                           "lock_image_unlocked_groups to 0, or do not lock the image tower")
 
 
 def trainable_mask(params, lock: LockSpec, image_layers: int, text_layers: int):

@@ -28,6 +28,7 @@ REPLICA_AXIS = "replica"  # in a (replica, data) grid: the devices holding the s
 # gather each. The scanned-layer key: leaves below it carry a leading layer axis that is never split.
 FSDP_MIN_SIZE = 2**14
 LAYER_STACK_KEY = "resblocks"
+BATCH_STATS_KEY = "batch_stats"  # the train state's BatchNorm statistics (a ResNet image tower)
 
 
 def create_mesh(devices: Sequence[jax.Device] | None = None, *, fsdp_params: Any = None) -> Mesh:
@@ -133,13 +134,18 @@ def state_shardings(abstract_state: Any, mesh: Mesh, *, fsdp: bool, min_size: in
     """NamedShardings for a pytree of arrays (params, optimizer state, a whole train state).
 
     Without FSDP everything is replicated. With FSDP each leaf follows `fsdp_leaf_spec`; the rule depends only
-    on the leaf's path and shape, so Adam's moments are split exactly like the parameters they track.
+    on the leaf's path and shape, so Adam's moments are split exactly like the parameters they track. A ResNet's
+    conv kernels ([kh, kw, in, out]) split like any kernel, on their largest dimension the device count divides;
+    BatchNorm's scales and biases are vectors of at most a few thousand channels, below `FSDP_MIN_SIZE`, and stay
+    whole. Its running statistics (the train state's `batch_stats`) are always replicated: every device normalises
+    with all of them, and they are a few KiB.
     """
 
     def leaf_sharding(path, leaf):
-        if not fsdp:
+        names = path_names(path)
+        if not fsdp or names[0] == BATCH_STATS_KEY:
             return replicated(mesh)
-        stacked = LAYER_STACK_KEY in path_names(path)
+        stacked = LAYER_STACK_KEY in names
         return NamedSharding(mesh, fsdp_leaf_spec(mesh, leaf.shape, stacked=stacked, min_size=min_size))
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state)

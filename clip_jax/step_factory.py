@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
-from clip_jax.lock import LockSpec, locked_optimizer, stop_locked_gradients
+from clip_jax.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.loss import LOSSES
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.layers import choose_attention_impl
@@ -158,14 +158,12 @@ class StepSpec:
 
 
 def _check_resnet_step(spec: StepSpec) -> None:
-    """What the step of a ResNet image tower (BatchNorm statistics in the train state) is not built with."""
-    refused = [what for what, on in (("fsdp", spec.fsdp), (f"accum_steps={spec.accum_steps}", spec.accum_steps > 1),
-                                     ("a locked tower", spec.lock.any),
-                                     (f"remat_policy={spec.remat_policy!r}", spec.remat_policy != "none"),
-                                     (f"patch_dropout={spec.patch_dropout}", bool(spec.patch_dropout))) if on]
-    if refused:
-        raise InvalidInput(f"{spec.model.name}: a ResNet image tower's train step is built without "
-                           f"{', '.join(refused)}; leave them out")
+    """What the step of a ResNet image tower (BatchNorm statistics in the train state) is not built with: patch
+    dropout (no patches) and a partly unlocked image tower (locked whole or not at all, as OpenCLIP's)."""
+    if spec.patch_dropout:
+        raise InvalidInput(f"{spec.model.name}: patch_dropout={spec.patch_dropout} is a ViT option; a ResNet image "
+                           "tower has no patches to drop: leave it out")
+    check_resnet_lock(spec.lock)
 
 
 def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
@@ -247,13 +245,17 @@ class Step:
 
     def forward(self) -> Callable:
         """`forward(params, batch) -> (image_features, text_features, logit_scale[, logit_bias])` as the step runs
-        it."""
-        return make_forward(self.model, self.mesh, fsdp=self.spec.fsdp)
+        it; a ResNet image tower's, `forward(params, batch, batch_stats) -> (outputs, batch_stats)` in train mode
+        (BatchNorm on the batch's statistics, the running ones updated)."""
+        return make_forward(self.model, self.mesh, fsdp=self.spec.fsdp,
+                            batch_norm="batch" if is_resnet(self.spec.model) else None)
 
     def compile_forward(self, per_device_batch: int):
         """Both towers' forward pass as the step runs it (what a forward's FLOPs are counted on), compiled."""
-        lowered = jax.jit(self.forward()).lower(self.abstract_state.params, self.abstract_batch(per_device_batch))
-        return _compile(lowered, self.mesh)
+        inputs = (self.abstract_state.params, self.abstract_batch(per_device_batch))
+        if is_resnet(self.spec.model):
+            inputs += (self.abstract_state.batch_stats,)
+        return _compile(jax.jit(self.forward()).lower(*inputs), self.mesh)
 
 
 def _compile(lowered, mesh: Mesh):
@@ -281,5 +283,5 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
                              patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry,
-                             freeze=freeze)
+                             freeze=freeze, image_eval_mode=is_resnet(spec.model) and spec.lock.image)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -29,10 +29,10 @@ from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config, report_targets
 from clip_jax.device_telemetry import Telemetry, progress_parts
 from clip_jax.distributed import initialize_from_environment
-from clip_jax.errors import InvalidInput, RunFailed, UserError
+from clip_jax.errors import RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
-from clip_jax.models import create_model, is_resnet
+from clip_jax.models import create_model
 from clip_jax.models.flops import train_flops
 from clip_jax.parallel import make_global_batch
 from clip_jax.preemption import StopSignal
@@ -111,7 +111,7 @@ class Trainer:
         self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
-        self.flops_per_sample = _train_flops(spec.model)
+        self.flops_per_sample = train_flops(spec.model)
         self.data_iter = self.checkpoints = self.writer = self.wandb = self.device_telemetry = self.val_set = None
         self.outputs = None  # metrics.jsonl, TensorBoard and W&B files: process 0's, staged locally for a bucket
         try:
@@ -498,17 +498,6 @@ def check_run_locations(config) -> None:
         storage.check_location(config.logs, write=True)
     if config.resume and config.resume != "latest" and storage.is_remote(config.resume):
         storage.check_location(config.resume, write=False)
-
-
-def _train_flops(model) -> float | None:
-    """Model FLOPs per trained sample (for MFU); None where the analytic count is not built (a ResNet image tower):
-    the run then logs no MFU."""
-    try:
-        return train_flops(model)
-    except InvalidInput:
-        if is_resnet(model):
-            return None
-        raise
 
 
 def train(config: ml_collections.ConfigDict) -> dict:

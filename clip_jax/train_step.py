@@ -22,6 +22,18 @@ global batch, not of each device's part. Inside this jitted GSPMD step a mean ov
 over the devices is an all-reduce that XLA inserts, so the statistics, the loss and the gradients do not depend on
 the device count (OpenCLIP under plain DDP normalises per device instead; SyncBatchNorm is the global choice there).
 The updated running statistics are the state's `batch_stats`, kept from before the step when it is skipped.
+
+BatchNorm with `accum_steps = k > 1`: each micro-batch is normalised with its own statistics (those of the
+micro-batch across every device), as it would be had it been a step's whole batch, and the running statistics move
+once per micro-batch, in order (k updates a step, `num_batches_tracked` counting k). Phase 1 makes those updates;
+phase 3 recomputes each micro-batch's forward with the same batch statistics (so its features, and their gradients,
+are phase 1's) and leaves the running statistics alone. OpenCLIP's `--accum-freq` under torch normalises the same
+way, but its train-mode no-grad pass and its grad pass both update the running statistics, 2k updates a step; one
+update per micro-batch is what the running statistics would see without the accumulation pass, and no more.
+
+A locked ResNet image tower (`image_eval_mode`, OpenCLIP's `--lock-image` with `--lock-image-freeze-bn-stats`) runs
+with its BatchNorm in eval mode: normalised with the running statistics, which stay as they are (a frozen
+BatchNorm, torch's `FrozenBatchNorm2d`). Its outputs then do not depend on the batch's composition.
 """
 
 from collections.abc import Callable
@@ -55,8 +67,13 @@ def init_train_state(params, optimizer: optax.GradientTransformation, batch_stat
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), batch_stats)
 
 
-def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
+def make_forward(model, mesh: Mesh, *, fsdp: bool, batch_norm: str | None = None) -> Callable:
     """`forward(params, batch) -> (image_features, text_features, logit_scale)` as the train step runs it.
+
+    `batch_norm` (a ResNet image tower, whose BatchNorm statistics are an input and an output): None for a model
+    without; "batch": train mode, `forward(params, batch, batch_stats) -> (outputs, updated batch_stats)`, normalised
+    with the batch's statistics; "running": eval mode, `forward(params, batch, batch_stats) -> (outputs,
+    batch_stats)`, normalised with the running statistics, returned as they came.
 
     Under FSDP the split parameters are gathered (constrained to replicated) right where they are used, so that
     every activation stays split over the batch. Left to XLA's sharding propagation, a weight's split spreads
@@ -74,19 +91,33 @@ def make_forward(model, mesh: Mesh, *, fsdp: bool) -> Callable:
     XLA:GPU all-reduce each layer's whole gradient and slice it: twice the traffic).
     The few leaves outside the blocks (embeddings, projections, final norms) are gathered once,
     at the start. (Gathering the whole tree at the start was simpler, but holds every full weight through the
-    step: ViT-L-14 as above, 18.5 GiB per device on 64 devices against 16.0 GiB layer by layer.)
+    step: ViT-L-14 as above, 18.5 GiB per device on 64 devices against 16.0 GiB layer by layer.) A ResNet image
+    tower has no scanned stack: its conv kernels are gathered once, at the start, like those leaves.
     """
+    if batch_norm not in (None, "batch", "running"):
+        raise ValueError(f"batch_norm={batch_norm!r}: None, 'batch' or 'running'")
     if fsdp:
         model = model.clone(layer_params_hook=partial(gather_whole, mesh=mesh))
 
-    def forward(params, batch):
-        if fsdp:
-            params = jax.tree_util.tree_map_with_path(
-                lambda path, p: p if LAYER_STACK_KEY in path_names(path) else gather_whole(p, mesh), params
-            )
-        return model.apply({"params": params}, batch["images"], batch["tokens"], batch.get("kept_patches"))
+    def gathered(params):
+        if not fsdp:
+            return params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: p if LAYER_STACK_KEY in path_names(path) else gather_whole(p, mesh), params
+        )
 
-    return forward
+    def forward(params, batch):
+        return model.apply({"params": gathered(params)}, batch["images"], batch["tokens"], batch.get("kept_patches"))
+
+    def batch_norm_forward(params, batch, batch_stats):
+        variables = {"params": gathered(params), "batch_stats": batch_stats}
+        if batch_norm == "running":
+            return model.apply(variables, batch["images"], batch["tokens"], train=False), batch_stats
+        outputs, updated = model.apply(variables, batch["images"], batch["tokens"], train=True,
+                                       mutable=["batch_stats"])
+        return outputs, updated["batch_stats"]
+
+    return forward if batch_norm is None else batch_norm_forward
 
 
 def patch_dropout_key(seed: int, step: jax.Array) -> jax.Array:
@@ -152,40 +183,32 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(squares))
 
 
-def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch):
-    """(loss, accuracy, logit_params, grads) from one forward and backward over the whole batch; logit_params:
-    the forward's outputs after the features, (scale,) or (scale, bias)."""
+def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch, batch_stats=None):
+    """(loss, accuracy, logit_params, grads, batch_stats) from one forward and backward over the whole batch;
+    logit_params: the forward's outputs after the features, (scale,) or (scale, bias).
+
+    `forward(params, batch, batch_stats) -> (outputs, batch_stats)`: the statistics it returns (updated by a
+    train-mode BatchNorm, or None for a model without) are returned."""
 
     def loss_on_params(params):
-        image_features, text_features, *logit_params = forward(params, batch)
+        (image_features, text_features, *logit_params), new_stats = forward(params, batch, batch_stats)
         loss, accuracy = loss_fn(image_features, text_features, *logit_params)
-        return loss, (accuracy, tuple(logit_params))
-
-    (loss, (accuracy, logit_params)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
-    return loss, accuracy, logit_params, grads
-
-
-def batch_norm_grads(model, loss_fn: Callable, params, batch, batch_stats):
-    """(loss, accuracy, logit_params, grads, new batch_stats) from one forward in train mode, BatchNorm on the
-    batch's statistics (those of the global batch: see the module docstring), and its backward."""
-
-    def loss_on_params(params):
-        (image_features, text_features, *logit_params), updated = model.apply(
-            {"params": params, "batch_stats": batch_stats}, batch["images"], batch["tokens"], train=True,
-            mutable=["batch_stats"])
-        loss, accuracy = loss_fn(image_features, text_features, *logit_params)
-        return loss, (accuracy, tuple(logit_params), updated["batch_stats"])
+        return loss, (accuracy, tuple(logit_params), new_stats)
 
     (loss, (accuracy, logit_params, new_stats)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
     return loss, accuracy, logit_params, grads, new_stats
 
 
 def accumulated_grads(
-    forward: Callable, loss_fn: Callable, params, batch, *, accum_steps: int, mesh: Mesh, grad_shardings
+    forward: Callable, loss_fn: Callable, params, batch, batch_stats=None, *, accum_steps: int, mesh: Mesh,
+    grad_shardings
 ):
-    """(loss, accuracy, logit_params, grads) over k micro-batches, the loss still seeing the whole batch.
+    """(loss, accuracy, logit_params, grads, batch_stats) over k micro-batches, the loss still seeing the whole
+    batch; `forward` as for `full_batch_grads`.
 
-    Equal to `full_batch_grads` up to rounding; holds the activations of one micro-batch at a time.
+    Equal to `full_batch_grads` up to rounding for a model without BatchNorm; holds the activations of one
+    micro-batch at a time. With BatchNorm, each micro-batch is normalised with its own statistics and the running
+    statistics are updated once per micro-batch, in order (see the module docstring).
     """
     n_shards = data_parallel_size(mesh)
     micro_sharding = NamedSharding(mesh, P(None, batch_axes(mesh)))  # [k, B / k, ...]
@@ -195,10 +218,12 @@ def accumulated_grads(
 
     micro_batches = jax.tree.map(split, batch)
 
-    # 1. features of every micro-batch, no gradients
-    _, (image_features, text_features, *logit_params) = jax.lax.scan(
-        lambda _, micro_batch: (None, forward(params, micro_batch)), None, micro_batches
-    )
+    # 1. features of every micro-batch, no gradients; BatchNorm's running statistics move once per micro-batch
+    def features(stats, micro_batch):
+        outputs, stats = forward(params, micro_batch, stats)
+        return stats, outputs
+
+    new_stats, (image_features, text_features, *logit_params) = jax.lax.scan(features, batch_stats, micro_batches)
     image_features = merge_micro_batches(image_features, n_shards)  # [B, E]
     text_features = merge_micro_batches(text_features, n_shards)
     logit_params = tuple(p[0] for p in logit_params)  # scale (and bias): the same in every micro-batch
@@ -208,10 +233,12 @@ def accumulated_grads(
         loss_fn, argnums=tuple(range(2 + len(logit_params))), has_aux=True
     )(image_features, text_features, *logit_params)
 
-    # 3. per micro-batch: forward again, backward seeded with its feature gradients; the sum is the gradient
+    # 3. per micro-batch: forward again, backward seeded with its feature gradients; the sum is the gradient.
+    # A train-mode BatchNorm normalises with the micro-batch's own statistics, whatever running statistics it is
+    # given; the ones it returns are dropped (phase 1 made the updates).
     def backward(grad_sum, inputs):
         micro_batch, micro_image_grads, micro_text_grads = inputs
-        _, pullback = jax.vjp(lambda p: forward(p, micro_batch), params)
+        _, pullback = jax.vjp(lambda p: forward(p, micro_batch, batch_stats)[0], params)
         # the scale (and bias) are shared: each micro-batch carries 1/k of their gradient
         (grads,) = pullback((micro_image_grads, micro_text_grads, *(g / accum_steps for g in logit_grads)))
         return jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grad_sum, grads), None
@@ -220,7 +247,7 @@ def accumulated_grads(
     zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)  # split like the params under FSDP
     grad_sum, _ = jax.lax.scan(backward, zeros, (micro_batches, split(image_grads), split(text_grads)))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
-    return loss, accuracy, logit_params, grads
+    return loss, accuracy, logit_params, grads, new_stats
 
 
 def make_train_step(
@@ -237,6 +264,7 @@ def make_train_step(
     seed: int = 0,
     telemetry: Callable | None = None,
     freeze: Callable | None = None,
+    image_eval_mode: bool = False,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
     `clip_jax.step_factory.build_step`.
@@ -252,6 +280,8 @@ def make_train_step(
     params stopped (`clip_jax.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
     `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics returned as
     `metrics["telemetry"]` (`clip_jax.telemetry`: computed on logging steps only, zeros on the others).
+    `image_eval_mode`: a ResNet image tower's BatchNorm normalises with its running statistics and leaves them as
+    they are (a locked tower: see the module docstring); otherwise it runs in train mode.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -261,12 +291,22 @@ def make_train_step(
         raise ValueError(f"loss 'siglip' needs a model with a logit_bias, and {model.config.name!r} has none: set "
                          "init_logit_bias in its config (StepSpec does, as OpenCLIP's --siglip)")
     n_shards = data_parallel_size(mesh)
-    forward = make_forward(model, mesh, fsdp=fsdp)
+    batch_norm = is_resnet(model.config)
+    if batch_norm and patch_dropout > 0:
+        raise ValueError("a ResNet image tower has no patches to drop (StepSpec refuses patch dropout for it)")
+    if batch_norm:
+        forward = make_forward(model, mesh, fsdp=fsdp, batch_norm="running" if image_eval_mode else "batch")
+    else:
+        plain_forward = make_forward(model, mesh, fsdp=fsdp)
+
+        def forward(params, batch, batch_stats):
+            return plain_forward(params, batch), batch_stats
+
     if freeze is not None:
         unfrozen_forward = forward
 
-        def forward(params, batch):
-            return unfrozen_forward(freeze(params), batch)
+        def forward(params, batch, batch_stats):
+            return unfrozen_forward(freeze(params), batch, batch_stats)
 
     loss_function = LOSSES[loss]
 
@@ -275,13 +315,7 @@ def make_train_step(
             logit_bias = ()
         return loss_function(image_features, text_features, logit_scale, *logit_bias, mesh=mesh)
 
-    batch_norm = is_resnet(model.config)
-    if batch_norm and (accum_steps > 1 or fsdp or freeze is not None or patch_dropout > 0):
-        raise ValueError("a ResNet image tower's train step runs without accumulation, FSDP, locking and patch "
-                         "dropout (StepSpec refuses them)")
-    if batch_norm:
-        compute_grads = partial(batch_norm_grads, model, loss_fn)
-    elif accum_steps == 1:
+    if accum_steps == 1:
         compute_grads = partial(full_batch_grads, forward, loss_fn)
     else:
         compute_grads = partial(
@@ -308,10 +342,7 @@ def make_train_step(
             )
         if patch_dropout > 0:
             batch = {**batch, "kept_patches": step_kept_patches(state.step, batch_size)}
-        if batch_norm:
-            loss, accuracy, logit_params, grads, batch_stats = compute_grads(state.params, batch, state.batch_stats)
-        else:
-            (loss, accuracy, logit_params, grads), batch_stats = compute_grads(state.params, batch), None
+        loss, accuracy, logit_params, grads, batch_stats = compute_grads(state.params, batch, state.batch_stats)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
         grad_norm = global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -12,7 +12,6 @@ import pytest
 from clip_jax import convert
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.errors import InvalidInput
-from clip_jax.lock import LockSpec
 from clip_jax.models import create_model, init_variables
 from clip_jax.optim import LOGIT_SCALE_MAX, decay_mask
 from clip_jax.parallel import create_mesh, make_global_batch
@@ -141,13 +140,10 @@ def test_a_checkpoint_restores_batch_stats(eight_devices, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.batch_stats), jax.device_get(state.batch_stats))
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"fsdp": True}, "fsdp"), ({"accum_steps": 2}, "accum_steps=2"), ({"lock": LockSpec(image=True)}, "locked"),
-    ({"patch_dropout": 0.5}, "patch_dropout=0.5"), ({"remat_policy": "nothing_saveable"}, "remat_policy"),
-])
-def test_what_the_resnet_step_is_not_built_with_is_refused(options, named):
-    with pytest.raises(InvalidInput, match=named):
-        StepSpec(TINY_STEP, **options)
+def test_patch_dropout_is_refused():
+    """What else the ResNet step takes (FSDP, remat, accumulation, a locked tower): tests/test_resnet_step_options.py"""
+    with pytest.raises(InvalidInput, match="patch_dropout=0.5"):
+        StepSpec(TINY_STEP, patch_dropout=0.5)
 
 
 def test_a_state_without_batch_stats_is_refused(start):

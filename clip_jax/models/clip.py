@@ -63,7 +63,7 @@ class CLIP(nn.Module):
     def setup(self):
         cfg, text = self.config, self.config.text
         if is_resnet(cfg):  # its BatchNorm statistics are the `batch_stats` collection
-            self.visual = ModifiedResNet(cfg.vision, cfg.embed_dim, self.dtype, self.param_dtype)
+            self.visual = ModifiedResNet(cfg.vision, cfg.embed_dim, self.dtype, self.param_dtype, self.remat_policy)
         else:
             self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
                                             self.param_dtype, self.remat_policy, self.attention_impl,

@@ -181,13 +181,6 @@ def is_resnet(config: "CLIPConfig | VisionConfig | ResNetVisionConfig") -> bool:
     return isinstance(vision, ResNetVisionConfig)
 
 
-def require_vit(config: "CLIPConfig", what: str) -> None:
-    """Refuses a ResNet model where only ViT towers are built: `what` names the thing asked for."""
-    if is_resnet(config):
-        raise InvalidInput(f"{config.name}: {what} is not built for ResNet image towers yet; use a ViT model "
-                           "for it (ResNet towers train, evaluate, export and convert: see the README)")
-
-
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     context_length: int

@@ -3,9 +3,16 @@ them (ViT-L-14: 162.03 GFLOP image + 13.30 text = 175.33 per sample forward). No
 and so are the block options' extra norms and per-head scales (elementwise, as those are).
 
 `train=True` counts the forward as the train step runs it: under patch dropout (`vision.patch_dropout`) the image
-tower's blocks see the class token and the kept patches only (every patch is still embedded). Eval counts all."""
+tower's blocks see the class token and the kept patches only (every patch is still embedded). Eval counts all.
 
-from clip_jax.models.config import CLIPConfig, VisionConfig, require_vit
+A ResNet image tower (OpenCLIP's ModifiedResNet) counts its convolutions (2 x input channels x output channels x
+the kernel taps that read the image, each conv at the resolution it runs at: a block's strided 2x2 average pool comes
+before its last 1x1 conv and its shortcut's) and the attention pool (the query of the one mean token, keys and values of
+every cell and the mean, scores, weighted sum, output projection). BatchNorm, ReLU and the average pools are
+elementwise and left out, as norms are for a ViT; train and eval count the same (no patch dropout)."""
+
+from clip_jax.models.config import CLIPConfig, ResNetVisionConfig, VisionConfig, is_resnet
+from clip_jax.models.resnet import EXPANSION
 from clip_jax.models.vit import kept_patch_count
 
 
@@ -25,8 +32,40 @@ def image_tokens(vision: VisionConfig, train: bool = False) -> int:
     return 1 + (kept_patch_count(patches, vision.patch_dropout) if train else patches)
 
 
+def _conv_macs(size: int, kernel: int, channels_in: int, channels_out: int, stride: int = 1) -> int:
+    """Multiply-adds of a `kernel` x `kernel` conv (padding kernel // 2) whose output is `size` x `size` cells,
+    counting the taps that read the image, not its zero padding."""
+    pad, in_size = kernel // 2, size * stride
+    taps = sum(1 for o in range(size) for k in range(kernel) if 0 <= o * stride + k - pad < in_size)  # one axis
+    return taps * taps * channels_in * channels_out
+
+
+def resnet_image_macs(v: ResNetVisionConfig, embed_dim: int) -> int:
+    """Multiply-adds of one image through a ModifiedResNet tower (see the module docstring)."""
+    half, size = v.width // 2, v.image_size // 2  # the stem's first conv has stride 2
+    macs = _conv_macs(size, 3, 3, half, stride=2) + _conv_macs(size, 3, half, half) + _conv_macs(size, 3, half, v.width)
+    size //= 2  # the stem's 2x2 average pool
+    channels = v.width
+    for stage, blocks in enumerate(v.layers):
+        planes, stride = v.width * 2**stage, 1 if stage == 0 else 2
+        for block in range(blocks):
+            stride_here = stride if block == 0 else 1
+            out_size = size // stride_here
+            macs += _conv_macs(size, 1, channels, planes) + _conv_macs(size, 3, planes, planes)
+            macs += _conv_macs(out_size, 1, planes, planes * EXPANSION)
+            if stride_here > 1 or channels != planes * EXPANSION:  # the shortcut's 1x1 conv, after its pool
+                macs += _conv_macs(out_size, 1, channels, planes * EXPANSION)
+            channels, size = planes * EXPANSION, out_size
+    tokens, width = v.num_tokens, v.pool_width  # the grid's cells and their mean
+    macs += width * width + 2 * tokens * width * width  # q of the mean; k and v of every token
+    macs += 2 * tokens * width  # scores of the one query and the weighted sum of values
+    macs += width * embed_dim  # c_proj
+    return macs
+
+
 def image_forward_flops(config: CLIPConfig, train: bool = False) -> int:
-    require_vit(config, "the analytic FLOPs count")
+    if is_resnet(config):
+        return 2 * resnet_image_macs(config.vision, config.embed_dim)
     v = config.vision
     patches = v.grid_size**2
     macs = patches * (v.patch_size**2 * 3) * v.width  # patch embedding

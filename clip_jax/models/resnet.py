@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import ResNetVisionConfig
-from clip_jax.models.layers import Dtype
+from clip_jax.models.layers import Dtype, resolve_remat_policy
 
 BN_EPS = 1e-5  # torch's BatchNorm2d defaults
 BN_MOMENTUM = 0.1  # running = (1 - momentum) * running + momentum * batch
@@ -105,19 +105,26 @@ class Bottleneck(nn.Module):
 
 
 class ResNetStage(nn.Module):
-    """`blocks` bottlenecks of width `planes`, the first taking the stride (OpenCLIP's `layer1` ... `layer4`)."""
+    """`blocks` bottlenecks of width `planes`, the first taking the stride (OpenCLIP's `layer1` ... `layer4`).
+
+    `remat_policy` other than "none": each block is rematerialised under that `jax.checkpoint` policy (its
+    activations recomputed in the backward; the running statistics it updates are not updated twice: the recompute
+    only replays the forward's arithmetic). The parameter tree is the same either way."""
 
     planes: int
     blocks: int
     stride: int
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        block = Bottleneck
+        if self.remat_policy != "none":  # `train` (argument 2, after self and x) is a Python bool: static
+            block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), static_argnums=(2,))
         for i in range(self.blocks):
-            x = Bottleneck(self.planes, self.stride if i == 0 else 1, self.dtype, self.param_dtype, name=str(i))(
-                x, train)
+            x = block(self.planes, self.stride if i == 0 else 1, self.dtype, self.param_dtype, name=str(i))(x, train)
         return x
 
 
@@ -155,12 +162,14 @@ class ModifiedResNet(nn.Module):
     """The image tower: stem -> layer1 ... layer4 -> attnpool. [B, S, S, 3] float32 NHWC -> [B, embed_dim].
 
     `train=True` runs BatchNorm on batch statistics (and updates the running ones when `batch_stats` is mutable);
-    `kept_patches` (the ViT's patch dropout) has no meaning here and must be None."""
+    `kept_patches` (the ViT's patch dropout) has no meaning here and must be None. `remat_policy`: applied to every
+    bottleneck block (see `ResNetStage`); the stem and the attention pool keep their activations."""
 
     config: ResNetVisionConfig
     embed_dim: int
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
 
     @nn.compact
     def __call__(self, images, kept_patches=None, train: bool = False):
@@ -178,5 +187,5 @@ class ModifiedResNet(nn.Module):
         x = avg_pool(x, 2)
         for i, blocks in enumerate(cfg.layers):
             x = ResNetStage(cfg.width * 2**i, blocks, 1 if i == 0 else 2, self.dtype, self.param_dtype,
-                            name=f"layer{i + 1}")(x, train)
+                            self.remat_policy, name=f"layer{i + 1}")(x, train)
         return AttentionPool2d(cfg.heads, self.embed_dim, self.dtype, self.param_dtype, name="attnpool")(x)

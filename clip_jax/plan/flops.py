@@ -6,7 +6,8 @@ is therefore the compiled program's count plus (depth - 1) x one block's count, 
 the same scanned stack compiled alone at depth 2 (still a loop, so one body: forward, or forward and backward with
 the step's remat policy, dtype and per-device batch). Blocks are identical, so this is exact up to the few ops
 outside the loops that the alone-compiled stack adds (a sum). Whether this XLA counts loop bodies once is checked
-(a depth-2 and a depth-3 stack counting the same); where it counts every trip, nothing is added.
+(a depth-2 and a depth-3 stack counting the same); where it counts every trip, nothing is added. A ResNet image
+tower has no loop (its blocks differ in shape and are unrolled): only the text tower's blocks are added.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clip_jax.models import CLIPConfig
+from clip_jax.models import CLIPConfig, is_resnet
 from clip_jax.models.flops import forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import Transformer
 from clip_jax.plan.steps import compile_train_step
@@ -38,6 +39,12 @@ def loop_bodies_counted_once() -> bool:
 
     two, three = cost(2), cost(3)
     return three - two < 0.5 * two
+
+
+def scanned_towers(config: CLIPConfig) -> tuple[str, ...]:
+    """The towers whose residual blocks run as a scanned loop: both, or the text tower alone beside a ResNet image
+    tower (whose bottleneck blocks are unrolled, each counted by XLA)."""
+    return ("text",) if is_resnet(config) else TOWERS
 
 
 def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, bool]:
@@ -72,7 +79,7 @@ def loop_corrected_flops(compiled, setup: StepSpec, per_device_batch: int, *, tr
     """FLOPs per sample of a compiled forward (train=False) or train step, every block counted."""
     flops = compiled.cost_analysis()["flops"]
     if loop_bodies_counted_once():
-        for tower in TOWERS:
+        for tower in scanned_towers(setup.model):
             layers = _tower(setup.model, tower)[4]
             if layers > 1:
                 flops += (layers - 1) * block_flops(setup, tower, per_device_batch, train=train)
@@ -94,7 +101,8 @@ def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,
                      compile_step: Callable[[StepSpec], Any] | None = None) -> FlopsPerSample:
     """Analytic and XLA-counted FLOPs per sample; `compile_step(setup)` may supply (cached) compiled steps."""
     if compile_step is None:
-        compile_step = lambda s: compile_train_step(s, mesh, per_device_batch)
+        def compile_step(spec):
+            return compile_train_step(spec, mesh, per_device_batch)
     plain = dataclasses.replace(setup, remat_policy="none")
     forward_xla = loop_corrected_flops(build_step(plain, mesh).compile_forward(per_device_batch), plain,
                                        per_device_batch, train=False)

@@ -1,0 +1,85 @@
+"""FLOPs and plans of ResNet (ModifiedResNet) models: the analytic count agrees with XLA's count of the compiled
+forward and train step, and the planner plans a ResNet run."""
+
+import jax
+import pytest
+
+from clip_jax import plan as planner
+from clip_jax.config import default_config
+from clip_jax.models import get_model_config
+from clip_jax.models.flops import forward_flops, image_forward_flops, resnet_image_macs
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.parallel import create_mesh
+from clip_jax.step_factory import StepSpec
+
+# Every stage with its own block count, the stem's stride-2 conv and shortcut convs of both kinds (a width change in
+# layer1, a stride in the others), and a 2x2 grid for the attention pool
+TINY_RN = {
+    "embed_dim": 24,
+    "vision_cfg": {"image_size": 64, "layers": [1, 2, 1, 2], "width": 16, "head_width": 64},
+    "text_cfg": {"context_length": 8, "vocab_size": 50, "width": 16, "heads": 2, "layers": 2},
+}
+
+
+def test_analytic_count_of_rn50_by_hand():
+    """RN50 at 224, its convolutions written out stage by stage (taps on the image only: a 3x3 conv with padding 1
+    on an n x n output reads (3n - 2)^2 taps per channel pair, the stem's stride-2 conv (3n - 1)^2)."""
+    taps3 = lambda n: (3 * n - 2) ** 2  # noqa: E731
+    stem = (3 * 112 - 1) ** 2 * 3 * 32 + taps3(112) * 32 * 32 + taps3(112) * 32 * 64
+    macs, channels, size = stem, 64, 56
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        planes = 64 * 2**stage
+        for block in range(blocks):
+            out = size // 2 if (stage and not block) else size
+            macs += size * size * channels * planes + taps3(size) * planes * planes + out * out * planes * 4 * planes
+            if block == 0:
+                macs += out * out * channels * 4 * planes
+            channels, size = 4 * planes, out
+    tokens, width = 7 * 7 + 1, 2048
+    macs += width * width + 2 * tokens * width * width + 2 * tokens * width + width * 1024
+    assert resnet_image_macs(get_model_config("RN50").vision, 1024) == macs
+    assert image_forward_flops(get_model_config("RN50")) == 2 * macs
+
+
+def test_xla_counts_of_the_compiled_programs_agree_with_the_analytic_count():
+    spec = StepSpec(TINY_RN, "fp32")
+    flops = planner.flops_per_sample(spec, create_mesh(jax.devices()[:1]), 4)
+    assert flops.forward_analytic == forward_flops(spec.model)
+    # XLA also counts BatchNorm, ReLU, the pools, norms and softmax: more, by a few percent
+    assert 1.0 <= flops.forward_xla / flops.forward_analytic < 1.05
+    # and in the step BatchNorm's backward and the AdamW update of 1.6M params for 4 samples: 15% at this size
+    assert 1.0 <= flops.train_xla / flops.train_analytic < 1.2
+
+
+def test_the_planner_plans_a_resnet_run(tmp_path):
+    model_file = tmp_path / "tiny_rn.json"
+    model_file.write_text(__import__("json").dumps(TINY_RN))
+    c = default_config()
+    c.update(model=str(model_file), train_num_samples=1_000, epochs=1, workers=2, batch_size=4, precision="fp32",
+             grad_checkpointing=False, fsdp=True)
+    result = planner.plan(c, "h100", 2, compiler="cpu", search_batch=False)
+    memory = result.memory_per_device
+    assert memory.fits and memory.total_bytes > memory.state_bytes > 0
+    assert result.flops_per_sample.forward_analytic == pytest.approx(forward_flops(get_model_config(str(model_file))))
+    assert result.parameters.image > 0 and result.setup.fsdp
+
+
+def _load_config(name: str):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_the_rn50x4_config_is_the_l14_recipe_with_rn50x4_at_288_and_openais_normalisation():
+    rn, l14 = _load_config("rn50x4_laion2b"), _load_config("l14_laion2b")
+    different = {k for k in l14 if rn[k] != l14[k]}
+    assert different == {"model", "image_mean", "image_std", "name"}
+    assert rn.image_mean == OPENAI_MEAN and rn.image_std == OPENAI_STD
+    spec = StepSpec.from_config(rn, platform="gpu")
+    assert spec.model.name == "RN50x4" and spec.model.vision.image_size == 288
+    assert spec.remat_policy != "none" and spec.precision == "bf16" and not spec.fsdp
