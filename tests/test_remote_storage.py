@@ -4,8 +4,12 @@ gs:// cannot be served locally: its choices are checked without network."""
 
 import importlib.util
 import json
+import glob
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import boto3
 import jax
@@ -140,6 +144,52 @@ def test_metrics_config_and_events_are_uploaded_at_saves_and_exit(runs, s3):
     assert config["logs"] == f"s3://{BUCKET}/runs"
     events = [k for k in keys(s3, "runs/run/tensorboard/") if "tfevents" in k]
     assert len(events) == 2  # one event file per session
+
+
+def staged_losses(staging: str) -> dict[int, float]:
+    """The losses a run on a bucket wrote to its local staging folder (under the TMPDIR it was given)."""
+    found = glob.glob(os.path.join(staging, "clip_jax-run-*", "metrics.jsonl"))
+    if not found:
+        return {}
+    with open(found[0]) as f:
+        return losses_from_text(f.read())
+
+
+def test_a_run_killed_on_the_bucket_resumes_and_replays_its_lost_steps_exactly(s3, shards, tmp_path):
+    """SIGKILL mid-run: no save, no upload. The resumed run restarts from the newest committed step on the bucket,
+    and the steps the killed run had made past it come out exactly as they did (state and data position both
+    restored); the bucket's metrics end up with every step once."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = tiny_config(shards, f"s3://{BUCKET}/killed", resume="latest", train_num_samples=1024, epochs=4,
+                         save_every_steps=8, keep=2)  # 64 steps
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "CLIP_JAX_TEST_CONFIG": config.to_json(), "TMPDIR": str(staging)}
+    process = subprocess.Popen([sys.executable, "-m", "clip_jax.train", f"--config={repo}/tests/train_config.py"],
+                               env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while True:  # a step committed on the bucket and a few made past it, then the kill
+        committed = steps_on_bucket(s3, "killed/run")
+        if committed and max(staged_losses(str(staging)), default=0) >= committed[-1] + 3:
+            break
+        assert process.poll() is None, f"trainer exited before the kill:\n{process.stdout.read()}"
+        assert time.time() < deadline, "no checkpoint committed on the bucket in 300 s"
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    before_kill = staged_losses(str(staging))
+    last_saved = max(steps_on_bucket(s3, "killed/run"))
+    replayed = [s for s in sorted(before_kill) if s > last_saved]
+    assert replayed and max(before_kill) < 64, (last_saved, sorted(before_kill))
+
+    result = train_lib.train(config)
+    assert result["step"] == 64
+    final = losses_from_text(s3.get_object(Bucket=BUCKET, Key="killed/run/metrics.jsonl")["Body"].read().decode())
+    assert sorted(final) == list(range(1, 65))
+    np.testing.assert_allclose([final[s] for s in replayed], [before_kill[s] for s in replayed], rtol=1e-5)
+    np.testing.assert_allclose([final[s] for s in range(1, last_saved + 1)],
+                               [before_kill[s] for s in range(1, last_saved + 1)], rtol=0)  # uploaded, kept
 
 
 def copy_step(s3, source: str, target: str, *, without: str | None = None) -> None:
