@@ -66,15 +66,19 @@ class CheckpointMeta:
 
 
 class RunCheckpoints:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        """`read_only`: another run's checkpoints, restored from: nothing is created, saved, deleted or cleaned up
+        there (that run may still be writing to it)."""
         self.directory = storage.absolute(directory)
+        storage.use_fsspec_for_urls(self.directory)
         if storage.scheme(self.directory) == "s3":
             storage.enable_orbax_s3()
         # On a bucket an interrupted save leaves a step folder without its commit file: Orbax's clean-up removes
         # it, so the step can be saved again.
         remote = storage.is_remote(self.directory)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=remote,
+            max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save, create=not read_only,
+            cleanup_tmp_directories=remote and not read_only, read_only=read_only,
             temporary_path_class=storage.checkpoint_temporary_path_class(self.directory))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 

@@ -192,7 +192,10 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
             problems.append(f"{field}={problem}")
     if c.resume and c.resume != "latest" and "://" not in c.resume and not os.path.exists(c.resume):
         problems.append(f"resume={c.resume!r} does not exist: give a checkpoint or run directory, or 'latest'")
-    if c.get("pretrained") and not os.path.exists(c.pretrained):
+    if c.get("pretrained") and "://" in c.pretrained:
+        problems.append(f"pretrained={c.pretrained!r}: pretrained weights are read from a local path; copy them "
+                        "there first (a run directory on a bucket: its checkpoint folder)")
+    elif c.get("pretrained") and not os.path.exists(c.pretrained):
         problems.append(f"pretrained={c.pretrained!r} does not exist: give an OpenCLIP checkpoint, an exported "
                         "folder or a clip_jax run directory")
     if c.get("force_image_size", 0) < 0:

@@ -67,10 +67,19 @@ def dirname(path: str) -> str:
     return posixpath.dirname(absolute(path)) if is_remote(path) else os.path.dirname(path)
 
 
+def use_fsspec_for_urls(path: str) -> None:
+    """Makes `etils.epath` (ours and Orbax's) reach s3:// and gs:// through fsspec (s3fs, gcsfs). Where TensorFlow
+    is importable epath would pick `tf.io.gfile` instead, which has no S3 filesystem; set once a remote run
+    directory is used, so that local runs leave epath's choice alone."""
+    if is_remote(path):
+        os.environ.setdefault("EPATH_USE_TF", "false")
+
+
 def _forget_listings(path: str) -> None:
     """Drops fsspec's cached bucket listings, so a question about `path` goes to the store: other processes, and
     TensorStore, write there without this process's filesystem object seeing it."""
     if is_remote(path):
+        use_fsspec_for_urls(path)
         from etils.epath import backend
 
         backend.fsspec_backend.fs(path).invalidate_cache()
@@ -101,11 +110,13 @@ def listdir(path: str) -> list[str]:
 
 
 def read_text(path: str) -> str:
+    use_fsspec_for_urls(path)
     return epath.Path(path).read_text()
 
 
 def write_text(path: str, text: str) -> None:
     """Writes a whole file (on a bucket: one object), making the folders a disk needs."""
+    use_fsspec_for_urls(path)
     target = epath.Path(path)
     if not is_remote(path):
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -113,11 +124,13 @@ def write_text(path: str, text: str) -> None:
 
 
 def open_file(path: str, mode: str = "r"):
+    use_fsspec_for_urls(path)
     return epath.Path(path).open(mode)
 
 
 def upload(local: str, remote: str) -> None:
     """Copies local file `local` to `remote` (a whole object)."""
+    use_fsspec_for_urls(remote)
     epath.Path(local).copy(epath.Path(remote), overwrite=True)
 
 
@@ -140,10 +153,11 @@ def _filesystem(kind: str):
     return fsspec.filesystem(kind, skip_instance_cache=True)
 
 
-def check_location(url: str, *, write: bool) -> None:
+def check_location(url: str, *, write: bool, probe: str = ".clip_jax_write_probe") -> None:
     """Raises a one-line UserError when the run cannot use `url`: the s3fs/gcsfs package missing, no credentials,
     a bucket that does not exist, an endpoint that does not answer, (with `write`) no right to write there.
-    `write` puts and deletes a small probe object under the prefix; otherwise the prefix is listed."""
+    `write` puts and deletes a small object `probe` under the prefix (one name per process: several check at once);
+    otherwise the prefix is looked up (not the bucket's root, which a prefix-scoped policy may not let one list)."""
     kind = scheme(url)
     if kind not in REMOTE_SCHEMES:
         return
@@ -158,13 +172,11 @@ def check_location(url: str, *, write: bool) -> None:
     missing_bucket = f"bucket {where} (of {url}) does not exist: create it, or fix the URL"
     try:
         if write:  # proves the bucket, the credentials and the right to write
-            probe = f"{absolute(url)}/.clip_jax_write_probe".split("://", 1)[1]
-            fs.pipe_file(probe, b"")
-            fs.rm_file(probe)
-        else:
-            fs.ls(bucket, refresh=True)
-            if not fs.exists(absolute(url).split("://", 1)[1]):
-                raise MissingInput(f"{url} does not exist")
+            key = f"{absolute(url)}/{probe}".split("://", 1)[1]
+            fs.pipe_file(key, b"")
+            fs.rm_file(key)
+        elif not fs.exists(absolute(url).split("://", 1)[1]):
+            raise MissingInput(f"{url} does not exist (or bucket {where} does not): fix the URL")
     except MissingInput:
         raise
     except FileNotFoundError as e:

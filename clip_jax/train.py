@@ -184,19 +184,23 @@ class Trainer:
         return self.engine.state_from_params(params, batch_stats)
 
     def close(self) -> None:
-        """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None)."""
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
-            self.checkpoints.close()
-        if self.data_iter is not None:
-            self.data_iter.close()  # stops the worker processes and frees their shared memory
-        for opened in (self.writer, self.wandb, self.device_telemetry):
-            if opened is not None:
-                opened.close()
+        """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None).
+        The staged metrics are uploaded last, also when a save failed: they are not lost with it."""
         outputs = self.outputs
-        self.checkpoints = self.data_iter = self.writer = self.wandb = self.device_telemetry = self.outputs = None
-        if outputs is not None:
-            outputs.close()  # after the writers: their last events are uploaded too
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+                self.checkpoints.close()
+        finally:
+            if self.data_iter is not None:
+                self.data_iter.close()  # stops the worker processes and frees their shared memory
+            for opened in (self.writer, self.wandb, self.device_telemetry):
+                if opened is not None:
+                    opened.close()
+            self.checkpoints = self.data_iter = self.writer = self.wandb = self.device_telemetry = None
+            self.outputs = None
+            if outputs is not None:
+                outputs.close()  # after the writers: their last events are uploaded too
 
     def __enter__(self) -> "Trainer":
         return self
@@ -242,11 +246,16 @@ class Trainer:
     def save(self, force: bool = False) -> None:
         if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
             log.info("saving checkpoint %d", self.step)
-        if self.outputs is not None:
-            self.outputs.sync()  # a bucket gets the metrics so far with each checkpoint
+        if self.outputs is not None:  # a bucket gets the metrics so far with each checkpoint
+            try:
+                self.outputs.sync()
+            except Exception as e:  # noqa: BLE001  a storage hiccup: the next save (or the exit) sends them again
+                log.warning("could not upload the run's metrics to %s at step %d (%s); retrying at the next save",
+                            self.run_dir, self.step, e)
 
     def _restore(self, directory: str, step: int, *, with_data: bool):
-        checkpoints = self.checkpoints if directory == self.checkpoints.directory else RunCheckpoints(directory)
+        checkpoints = (self.checkpoints if directory == self.checkpoints.directory
+                       else RunCheckpoints(directory, read_only=True))  # another run's: left as it is
         try:
             return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None)
         finally:
@@ -490,14 +499,29 @@ class Trainer:
 
 
 def check_run_locations(config) -> None:
-    """The bucket of a remote `logs` (written) or `resume` (read), checked by process 0: credentials, bucket,
-    endpoint and the s3fs/gcsfs package, each failure one line naming the URL."""
-    if jax.process_index() != 0:
+    """The bucket of a remote `logs` (written) or `resume` (read), checked by every process (each writes its own
+    shards and data-iterator files there): credentials, bucket, endpoint and the s3fs/gcsfs package, each failure
+    one line naming the URL. The processes agree on the outcome, so that none goes on to wait for the others."""
+    remote = [(url, write) for url, write in ((config.logs, True), (config.resume, False))
+              if url and url != "latest" and storage.is_remote(url)]
+    if not remote:
         return
-    if storage.is_remote(config.logs):
-        storage.check_location(config.logs, write=True)
-    if config.resume and config.resume != "latest" and storage.is_remote(config.resume):
-        storage.check_location(config.resume, write=False)
+    problem = None
+    try:
+        for url, write in remote:
+            storage.check_location(url, write=write, probe=f".clip_jax_write_probe-{jax.process_index()}")
+    except UserError as e:
+        problem = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.flatnonzero(multihost_utils.process_allgather(np.int32(problem is not None)))
+        if problem is None and failed.size:
+            raise RunFailed(f"process(es) {failed.tolist()} cannot use the run's bucket ({remote[0][0]}): every "
+                            "host needs the credentials, the network route and clipjax-train[remote]; see their "
+                            "error")
+    if problem is not None:
+        raise problem
 
 
 def train(config: ml_collections.ConfigDict) -> dict:

@@ -235,6 +235,51 @@ def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
     assert s3.get_object(Bucket=BUCKET, Key="runs/run/report.png")["Body"].read()[:4] == b"\x89PNG"
 
 
+def test_paths_on_the_bucket_go_through_fsspec_where_tensorflow_is_importable(runs, monkeypatch):
+    """epath would hand s3:// to tf.io.gfile (no S3 there) wherever TensorFlow is installed."""
+    from etils.epath import gpath
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.delenv("EPATH_USE_TF", raising=False)
+    monkeypatch.setattr(gpath.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tensorflow" else real_find_spec(name, *a))
+    assert "checkpoints" in storage.listdir(runs["remote"])
+    assert os.environ["EPATH_USE_TF"] == "false"
+
+
+def test_restoring_from_another_runs_bucket_folder_leaves_it_as_it_is(runs, s3):
+    """A run resuming from (or fine-tuning) another run's checkpoints must not clean up that run's unfinished
+    save: it may still be writing it."""
+    copy_step(s3, "runs/run/checkpoints/16", "live/run/checkpoints/16")
+    copy_step(s3, "runs/run/checkpoints/16", "live/run/checkpoints/24", without="16/commit_success.txt")
+    in_flight = keys(s3, "live/run/checkpoints/24/")
+    checkpoints = RunCheckpoints(f"s3://{BUCKET}/live/run/checkpoints", read_only=True)
+    try:
+        assert checkpoints.all_steps() == [16]
+    finally:
+        checkpoints.close()
+    assert keys(s3, "live/run/checkpoints/24/") == in_flight != []
+
+
+def test_a_failed_metrics_upload_at_a_save_is_a_warning_not_the_end_of_the_run(s3, shards, tmp_path, monkeypatch,
+                                                                                caplog):
+    calls = []
+
+    def flaky_upload(local, remote):
+        calls.append(remote)
+        if len(calls) == 1:
+            raise OSError("connection reset")
+        real_upload(local, remote)
+
+    real_upload = storage.upload
+    monkeypatch.setattr(storage, "upload", flaky_upload)
+    config = tiny_config(shards, f"s3://{BUCKET}/flaky", train_num_samples=512, save_every_steps=4)  # 8 steps
+    assert train_lib.train(config)["step"] == 8
+    assert "could not upload the run's metrics" in caplog.text
+    final = losses_from_text(s3.get_object(Bucket=BUCKET, Key="flaky/run/metrics.jsonl")["Body"].read().decode())
+    assert sorted(final) == list(range(1, 9))  # the next sync sent what the failed one had not
+
+
 def test_a_missing_bucket_is_one_clear_line(s3, shards):
     with pytest.raises(MissingInput, match="bucket s3://no-such-bucket .*does not exist"):
         train_lib.Trainer(tiny_config(shards, "s3://no-such-bucket/runs"))

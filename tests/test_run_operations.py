@@ -134,6 +134,8 @@ def test_the_report_of_a_folder_without_metrics_is_one_clear_error(tmp_path, cap
      "local path, s3://bucket/prefix or gs://bucket/prefix"),
     ({"resume": "hdfs://cluster/runs/a"}, "resume='hdfs://cluster/runs/a': hdfs:// is not a run-directory location"),
     ({"val_frequency": -1}, "val_frequency=-1 must not be negative"),
+    ({"pretrained": "s3://bucket/weights.safetensors"},
+     "pretrained='s3://bucket/weights.safetensors': pretrained weights are read from a local path"),
 ])
 def test_bad_settings_are_one_clear_line(overrides, message, tmp_path):
     config = tiny_config(("x.tar", "m.json"), tmp_path)
