@@ -87,8 +87,9 @@ def default_config() -> ml_collections.ConfigDict:
     # pretrained vision positional embedding is resized bicubically, class token kept (224 -> 336 px for L/14@336)
     c.force_image_size = 0
     # LiT: lock the image tower but its last `lock_image_unlocked_groups` groups (OpenCLIP's grouping: the stem,
-    # each block, the last block with ln_post, the projection); `lock_image_freeze_bn_stats` is accepted for
-    # OpenCLIP's flag and changes nothing (a ViT has no batch norm)
+    # each block, the last block with ln_post, the projection). A locked ResNet tower (locked whole) keeps its
+    # BatchNorm in train mode, its running statistics updated, unless `lock_image_freeze_bn_stats` (OpenCLIP's
+    # --lock-image-freeze-bn-stats) puts it in eval mode, statistics unchanged; a ViT has no BatchNorm
     c.lock_image = False
     c.lock_image_unlocked_groups = 0
     c.lock_image_freeze_bn_stats = False

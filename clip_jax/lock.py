@@ -14,8 +14,11 @@ step also stops the gradients into locked params (`stop_locked_gradients`), so n
 
 A ResNet image tower (OpenCLIP's ModifiedResNet; its `image_layers` here are the 4 stages' block counts) is locked
 whole or not at all, as OpenCLIP's `ModifiedResNet.lock` allows: `image_unlocked_groups > 0` is refused. Its
-BatchNorm statistics are not params; the train step keeps them as they are by running the locked tower's BatchNorm
-in eval mode (`clip_jax.train_step`), as OpenCLIP's `--lock-image-freeze-bn-stats` does.
+BatchNorm statistics are not params, so locking alone leaves them to the BatchNorm's mode, as OpenCLIP's `--lock-image`
+does: train mode, normalising with the batch's statistics and updating the running ones. `image_freeze_bn_stats`
+(OpenCLIP's `--lock-image-freeze-bn-stats`) runs the locked tower's BatchNorm in eval mode instead
+(`clip_jax.train_step`): normalised with the running statistics, which stay as they are. A ViT has no BatchNorm, and
+the flag changes nothing there.
 """
 
 import dataclasses
@@ -36,10 +39,13 @@ TRAINABLE, LOCKED = "trainable", "locked"
 
 @dataclasses.dataclass(frozen=True)
 class LockSpec:
-    """Which towers are locked and how many of their last groups (image) / layers (text) still train."""
+    """Which towers are locked and how many of their last groups (image) / layers (text) still train;
+    `image_freeze_bn_stats`: a locked ResNet image tower's BatchNorm in eval mode (running statistics, left as they
+    are) rather than train mode."""
 
     image: bool = False
     image_unlocked_groups: int = 0
+    image_freeze_bn_stats: bool = False
     text: bool = False
     text_unlocked_layers: int = 0
 
@@ -47,6 +53,9 @@ class LockSpec:
         for field in ("image_unlocked_groups", "text_unlocked_layers"):
             if getattr(self, field) < 0:
                 raise InvalidInput(f"lock: {field}={getattr(self, field)} must not be negative")
+        if self.image_freeze_bn_stats and not self.image:
+            raise InvalidInput("lock: image_freeze_bn_stats=True (the config's lock_image_freeze_bn_stats) has no "
+                               "effect without a locked image tower: set lock_image=True too, or leave it out")
 
     @property
     def any(self) -> bool:

@@ -186,6 +186,7 @@ def lock_spec(config) -> LockSpec:
     """The towers a training config locks (fields absent from older configs: nothing locked)."""
     return LockSpec(image=bool(config.get("lock_image", False)),
                     image_unlocked_groups=int(config.get("lock_image_unlocked_groups", 0)),
+                    image_freeze_bn_stats=bool(config.get("lock_image_freeze_bn_stats", False)),
                     text=bool(config.get("lock_text", False)),
                     text_unlocked_layers=int(config.get("lock_text_unlocked_layers", 0)))
 
@@ -280,8 +281,11 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
             partial(step_telemetry, b2=spec.optimizer.b2, eps=spec.optimizer.eps), spec.telemetry_every)
     freeze = partial(stop_locked_gradients, lock=spec.lock, image_layers=spec.model.vision.layers,
                      text_layers=spec.model.text.layers) if spec.lock.any else None
+    # a locked ResNet tower's BatchNorm: eval mode only with --lock-image-freeze-bn-stats, else train mode (the
+    # running statistics move, the params stay: `freeze`), as OpenCLIP's
+    image_eval_mode = is_resnet(spec.model) and spec.lock.image and spec.lock.image_freeze_bn_stats
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
                              patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry,
-                             freeze=freeze, image_eval_mode=is_resnet(spec.model) and spec.lock.image)
+                             freeze=freeze, image_eval_mode=image_eval_mode)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -33,7 +33,9 @@ update per micro-batch is what the running statistics would see without the accu
 
 A locked ResNet image tower (`image_eval_mode`, OpenCLIP's `--lock-image` with `--lock-image-freeze-bn-stats`) runs
 with its BatchNorm in eval mode: normalised with the running statistics, which stay as they are (a frozen
-BatchNorm, torch's `FrozenBatchNorm2d`). Its outputs then do not depend on the batch's composition.
+BatchNorm, torch's `FrozenBatchNorm2d`). Its outputs then do not depend on the batch's composition. A tower locked
+without that flag (OpenCLIP's `--lock-image` alone) keeps its BatchNorm in train mode: `freeze` stops the params'
+gradients, and the running statistics move with every batch as in an unlocked tower.
 """
 
 from collections.abc import Callable

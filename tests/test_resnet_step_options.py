@@ -8,12 +8,13 @@ import numpy as np
 import optax
 import pytest
 
+from clip_jax.config import default_config
 from clip_jax.errors import InvalidInput
 from clip_jax.lock import LockSpec
 from clip_jax.models import create_model, init_variables
 from clip_jax.optim import LOGIT_SCALE_MAX
 from clip_jax.parallel import make_global_batch
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
+from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, lock_spec, mesh_for
 from tiny_model import assert_same_update
 
 # Width 16, so the last stage's kernels (1x1x128x512, 3x3x128x128) and the attention pool's projections exceed
@@ -131,27 +132,66 @@ def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_lo
     assert abs(float(_clip_loss(*whole_batch)) - losses[0]) > 1e-3
 
 
-def test_a_locked_image_tower_is_frozen_batch_norm_included(start):
-    """Locked: no update, no optimizer state, BatchNorm in eval mode (running statistics, left as they are); the
-    text tower and the scale train."""
+def _run_locked(start, freeze_bn_stats: bool):
+    """Two AdamW steps on 2 devices with the image tower locked; the params are checked frozen and the text tower
+    moving, and the optimizer to hold two moments for the trainable params only (and a few counters)."""
     adamw = OptimizerSpec("adamw", lr=1e-3)
-    spec = StepSpec(TINY_RN, lock=LockSpec(image=True), optimizer=adamw)
+    spec = StepSpec(TINY_RN, lock=LockSpec(image=True, image_freeze_bn_stats=freeze_bn_stats), optimizer=adamw)
     _, losses, state = _run(spec, start, devices=2)
     after = jax.device_get(state)
     jax.tree.map(np.testing.assert_array_equal, after.params["visual"], start["params"]["visual"])
-    jax.tree.map(np.testing.assert_array_equal, after.batch_stats, start["batch_stats"])
     assert not np.allclose(after.params["token_embedding"]["embedding"],
                            start["params"]["token_embedding"]["embedding"])
-    # the optimizer holds two moments for the trainable params only (and a few counters)
     trainable = sum(x.size for k, v in start["params"].items() if k != "visual" for x in jax.tree.leaves(v))
     held = sum(x.size for x in jax.tree.leaves(after.opt_state))
     assert 2 * trainable <= held < 2 * trainable + 8
+    return losses, after
+
+
+def test_a_locked_image_tower_with_frozen_bn_stats_is_frozen_batch_norm_included(start):
+    """Locked with `image_freeze_bn_stats` (OpenCLIP's --lock-image-freeze-bn-stats): no update, no optimizer state,
+    BatchNorm in eval mode (running statistics, left as they are); the text tower and the scale train."""
+    losses, after = _run_locked(start, freeze_bn_stats=True)
+    jax.tree.map(np.testing.assert_array_equal, after.batch_stats, start["batch_stats"])
     # the first step's loss is that of the image tower in eval mode (running statistics), not in train mode
     model, batch = create_model(TINY_RN), _batches()[0]
     eval_loss = _clip_loss(*model.apply(start, batch["images"], batch["tokens"], train=False))
     train_outputs, _ = model.apply(start, batch["images"], batch["tokens"], train=True, mutable=["batch_stats"])
     np.testing.assert_allclose(losses[0], float(eval_loss), rtol=1e-5)
     assert abs(float(_clip_loss(*train_outputs)) - losses[0]) > 1e-4
+
+
+def test_a_locked_image_tower_keeps_batch_norm_in_train_mode_and_its_statistics_move(start):
+    """Locked alone (OpenCLIP's --lock-image): the params stay bit for bit and get no optimizer state, but BatchNorm
+    runs in train mode: normalised with the batch's statistics, the running ones updated by every step, as a
+    train-mode forward of the frozen tower over each batch in turn updates them."""
+    losses, after = _run_locked(start, freeze_bn_stats=False)
+    model, stats, outputs = create_model(TINY_RN), start["batch_stats"], []
+    for batch in _batches():  # the image params never move, so each step sees the starting ones
+        out, updated = model.apply({"params": start["params"], "batch_stats": stats}, batch["images"],
+                                   batch["tokens"], train=True, mutable=["batch_stats"])
+        stats = updated["batch_stats"]
+        outputs.append(out)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), after.batch_stats,
+                 jax.tree.map(np.asarray, stats))
+    first_block = after.batch_stats["visual"]["layer1"]["0"]["bn1"]
+    assert not np.allclose(first_block["mean"], start["batch_stats"]["visual"]["layer1"]["0"]["bn1"]["mean"])
+    assert int(first_block["num_batches_tracked"]) == STEPS
+    # the first step's loss is that of the train-mode forward (the batch's statistics), not of the eval-mode one
+    np.testing.assert_allclose(losses[0], float(_clip_loss(*outputs[0])), rtol=1e-5)
+    eval_loss = _clip_loss(*model.apply(start, _batches()[0]["images"], _batches()[0]["tokens"], train=False))
+    assert abs(float(eval_loss) - losses[0]) > 1e-4
+
+
+def test_the_config_flag_reaches_the_lock_and_is_refused_without_a_locked_image_tower():
+    config = default_config()
+    config.lock_image = True
+    assert not lock_spec(config).image_freeze_bn_stats
+    config.lock_image_freeze_bn_stats = True
+    assert lock_spec(config) == LockSpec(image=True, image_freeze_bn_stats=True)
+    config.lock_image = False
+    with pytest.raises(InvalidInput, match="lock_image_freeze_bn_stats.*no effect without a locked image tower"):
+        lock_spec(config)
 
 
 @pytest.mark.parametrize("options, named", [
