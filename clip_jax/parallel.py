@@ -138,7 +138,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, *, fsdp: bool, min_size: in
     conv kernels ([kh, kw, in, out]) split like any kernel, on their largest dimension the device count divides;
     BatchNorm's scales and biases are vectors of at most a few thousand channels, below `FSDP_MIN_SIZE`, and stay
     whole. Its running statistics (the train state's `batch_stats`) are always replicated: every device normalises
-    with all of them, and they are a few KiB.
+    with all of them, and they are small (0.42 MiB for RN50x4).
     """
 
     def leaf_sharding(path, leaf):
