@@ -70,9 +70,7 @@ class RunCheckpoints:
         """`read_only`: another run's checkpoints, restored from: nothing is created, saved, deleted or cleaned up
         there (that run may still be writing to it)."""
         self.directory = storage.absolute(directory)
-        storage.use_fsspec_for_urls(self.directory)
-        if storage.scheme(self.directory) == "s3":
-            storage.enable_orbax_s3()
+        storage.prepare_for_orbax(self.directory)
         # On a bucket an interrupted save leaves a step folder without its commit file: Orbax's clean-up removes
         # it, so the step can be saved again.
         remote = storage.is_remote(self.directory)
@@ -229,8 +227,7 @@ def read_variables(path: str) -> dict:
     import numpy as np
 
     directory, step = resolve_resume(path, run_dir=path)
-    if storage.scheme(directory) == "s3":
-        storage.enable_orbax_s3()
+    storage.prepare_for_orbax(directory)
     state_dir = storage.join(directory, str(step), STATE)
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))
     state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

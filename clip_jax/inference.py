@@ -99,7 +99,8 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
     import jax
     import jax.numpy as jnp
 
-    from clip_jax.models import create_model, get_model_config, init_variables, is_resnet
+    from clip_jax.evaluation.encoder import eval_variables
+    from clip_jax.models import create_model, get_model_config, init_variables
     from clip_jax.pretrained import export_model_config, load_pretrained_variables
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
@@ -115,7 +116,7 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
         variables = init_variables(model, jax.random.key(seed))
     else:
         variables = load_pretrained_variables(pretrained, config)
-    params = variables if is_resnet(config) else variables["params"]
+    params = eval_variables(**variables)
     saved = saved_preprocessing(pretrained)
     mean = tuple(image_mean or saved.get("mean") or OPENAI_MEAN)
     std = tuple(image_std or saved.get("std") or OPENAI_STD)

@@ -283,7 +283,7 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
                      text_layers=spec.model.text.layers) if spec.lock.any else None
     # a locked ResNet tower's BatchNorm: eval mode only with --lock-image-freeze-bn-stats, else train mode (the
     # running statistics move, the params stay: `freeze`), as OpenCLIP's
-    image_eval_mode = is_resnet(spec.model) and spec.lock.image and spec.lock.image_freeze_bn_stats
+    image_eval_mode = is_resnet(spec.model) and spec.lock.image_freeze_bn_stats  # LockSpec: only with lock.image
     update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
                              accum_steps=spec.accum_steps, loss=spec.loss,
                              patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry,

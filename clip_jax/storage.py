@@ -229,6 +229,14 @@ def s3_kvstore_spec(url: str) -> dict:
 _ORBAX_S3 = False
 
 
+def prepare_for_orbax(directory: str) -> None:
+    """What Orbax needs before it reads or writes under `directory`: epath on fsspec for URLs, and for s3://
+    TensorStore specs it can build (`enable_orbax_s3`). Nothing for a local path."""
+    use_fsspec_for_urls(directory)
+    if scheme(directory) == "s3":
+        enable_orbax_s3()
+
+
 def enable_orbax_s3() -> None:
     """Lets Orbax write and read array data at `s3://` URLs through TensorStore's s3 driver (Orbax 0.12.8 builds
     such specs for `gs://` only, and would treat `s3://...` as a relative local path). Done once per process by

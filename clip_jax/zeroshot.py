@@ -35,10 +35,10 @@ from clip_jax.evaluation import prompts as prompts_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.classifier import check_vocabulary
 from clip_jax.evaluation.datasets import ClassificationSet, open_classification_set
-from clip_jax.evaluation.encoder import replicate
+from clip_jax.evaluation.encoder import eval_variables, replicate
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
-from clip_jax.models import create_model, get_model_config, init_variables, is_resnet
+from clip_jax.models import create_model, init_variables
 from clip_jax.parallel import create_mesh
 from clip_jax.inference import pretrained_model_config, saved_preprocessing
 from clip_jax.pretrained import load_pretrained_variables
@@ -49,8 +49,7 @@ def read_checkpoint(checkpoint: str, model) -> dict:
     one `checkpoints/STEP` folder), an exported model folder, a clip_jax params file, or an OpenCLIP checkpoint
     (converted on the fly). A ResNet image tower's are its variables (params and BatchNorm statistics), which the
     evaluation applies in eval mode."""
-    variables = load_pretrained_variables(checkpoint, model)
-    return variables if is_resnet(get_model_config(model)) else variables["params"]
+    return eval_variables(**load_pretrained_variables(checkpoint, model))
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:
@@ -178,8 +177,7 @@ def run(args) -> dict:
     if args.checkpoint:
         params = read_checkpoint(args.checkpoint, model.config)
     else:
-        variables = init_variables(model, jax.random.key(args.seed))
-        params = variables if is_resnet(model.config) else variables["params"]
+        params = eval_variables(**init_variables(model, jax.random.key(args.seed)))
         if jax.process_index() == 0:
             print(f"{args.model}: no --checkpoint, freshly initialised (seed {args.seed}); expect chance level")
     params = replicate(params, mesh)  # placed once, used by every dataset
