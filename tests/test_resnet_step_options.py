@@ -110,9 +110,9 @@ def _assert_matches(start, losses, state, expected):
     expected_params = jax.tree.map(np.array, expected_params)
     for tree in (before, after, expected_params):
         k_bias(tree)
-    # float32 through BatchNorm's backward, summed in another order on 8 devices: the plain replicated step is this
-    # far from the loop too (a wrong normalisation or a missing term is off by the whole update)
-    assert_same_update(before, after, expected_params, rtol=3e-3)
+    # float32 sums in another order on 8 devices: the bound is their measured rounding (assert_same_update); a wrong
+    # normalisation or a missing term is off by far more
+    assert_same_update(before, after, expected_params)
 
 
 def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_loop(start):
