@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from clip_jax import ownership
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config, is_resnet
 
@@ -311,6 +312,7 @@ def save_params(path: str, params) -> None:
     '/'-joined paths."""
     if not path.endswith(".npz"):
         raise InvalidInput(f"clip_jax params are written as .npz; got {path}")
+    _claim(path)
     np.savez(path, **{"/".join(p): np.asarray(v) for p, v in _flatten(params).items()})
 
 
@@ -392,19 +394,26 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
     raise InvalidInput(f"unknown checkpoint format {path}: expected .pt, .pth, .bin, .safetensors or .npz")
 
 
+def _claim(path: str) -> None:
+    ownership.claim_file(path, writing="writing the weights", change="give another output path")
+
+
 def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
+    """`state_dict` as a `.safetensors`, `.npz` or torch file (a file of the same name is replaced only when clip_jax
+    wrote it)."""
+    if not path.endswith((".safetensors", ".npz", ".pt", ".pth", ".bin")):
+        raise InvalidInput(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
+    _claim(path)
     if path.endswith(".safetensors"):
         from safetensors.numpy import save_file
 
         save_file(dict(state_dict), path)
     elif path.endswith(".npz"):
         np.savez(path, **state_dict)
-    elif path.endswith((".pt", ".pth", ".bin")):
+    else:
         import torch
 
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
-    else:
-        raise InvalidInput(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from clip_jax import ownership
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
@@ -43,14 +44,16 @@ def run_model_config(run_config) -> CLIPConfig:
 
 
 def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> None:
-    """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed). A ResNet image tower's
+    """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed; other files in it are
+    left alone, and its two files are refused when clip_jax did not write them). A ResNet image tower's
     are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
     and num_batches_tracked."""
     from clip_jax.convert import variables_to_open_clip, write_open_clip
     from clip_jax.evaluation.encoder import as_variables
 
     state_dict = variables_to_open_clip(as_variables(params), model)
-    os.makedirs(out_dir, exist_ok=True)
+    ownership.claim(out_dir, [EXPORT_WEIGHTS, EXPORT_CONFIG], writing="the export",
+                    change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
     config = {"model_cfg": open_clip_model_cfg(model),
               "preprocess_cfg": preprocess_cfg(model.vision.image_size, mean, std)}

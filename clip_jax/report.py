@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from clip_jax import storage
+from clip_jax import ownership, storage
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
@@ -110,6 +110,7 @@ def write_png(series: dict, output: str, title: str) -> list[str]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
+    ownership.claim_file(output, writing="the report", change="give another --output")
     if not storage.is_remote(output):
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with storage.open_file(output, "wb") as f:

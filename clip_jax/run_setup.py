@@ -16,7 +16,7 @@ import numpy as np
 
 from clip_jax.checkpoint import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta, resolve_resume,
                                  saved_process_count)
-from clip_jax import storage
+from clip_jax import ownership, storage
 from clip_jax.errors import InvalidInput
 
 
@@ -46,8 +46,12 @@ class RunStart:
 
 def plan_run_start(config, *, process_count: int) -> RunStart:
     """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
-    `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured."""
+    `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured. A
+    run directory holding files of the names a run writes that clip_jax did not write is refused
+    (`ownership.ForeignFiles`)."""
     run_dir = storage.absolute(storage.join(config.logs, run_name(config)))
+    ownership.refuse_foreign(run_dir, ownership.RUN_ENTRIES, writing=f"the run {storage.basename(run_dir)!r}",
+                             change="give the run another --config.name, or another --config.logs")
     checkpoints = storage.join(run_dir, "checkpoints")
     if not config.resume:
         if latest_complete_step(checkpoints) is not None:

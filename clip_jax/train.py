@@ -23,7 +23,7 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from clip_jax import cli, data, storage
+from clip_jax import cli, data, ownership, storage
 from clip_jax import telemetry as telemetry_lib
 from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
 from clip_jax.config import check_config, report_targets
@@ -122,6 +122,8 @@ class Trainer:
 
     def _open(self) -> None:
         config, model = self.config, self.engine.spec.model
+        if self.is_main:  # recorded before they exist: what a crash leaves is known as the run's
+            ownership.record(self.run_dir, run_entries(config))
         self.data_iter = data.build_train_iterator(
             data.TrainDataConfig.from_run_config(config, seed=self.data_seed), shard_list=self.shards,
             global_batch_size=self.schedule.global_batch,
@@ -496,6 +498,13 @@ class Trainer:
         self._say(f"zero-shot on {evaluator.dataset.name} at step {self.step}: " +
                   ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
+
+
+def run_entries(config) -> list[str]:
+    """What a run writes into its directory (`ownership.RUN_ENTRIES` are all a run may hold)."""
+    targets = report_targets(config.report_to)
+    return (["config.json", "checkpoints", "metrics.jsonl"] + (["tensorboard"] if "tensorboard" in targets else [])
+            + (["wandb", "wandb_run_id"] if "wandb" in targets else []))
 
 
 def check_run_locations(config) -> None:

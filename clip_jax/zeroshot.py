@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from clip_jax import ownership
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, UserError
@@ -285,6 +286,8 @@ def main(argv=None) -> int:
     if args.distributed:
         jax.distributed.initialize()
     try:
+        if args.output and jax.process_index() == 0:  # before the evaluation, not after it
+            ownership.claim_file(args.output, writing="the report", change="give another --output")
         report = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -292,7 +295,6 @@ def main(argv=None) -> int:
     if jax.process_index() == 0:
         print(format_tables(report["results"]))
         if args.output:
-            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
             with open(args.output, "w") as f:
                 json.dump(report, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))
                 f.write("\n")

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from clip_jax import data
-from clip_jax.data import check, fashion_mnist, make_shards
+from clip_jax import data, ownership
+from clip_jax.data import check, fashion_mnist, make_shards, write_once
 
 FMNIST = fashion_mnist.DEFAULT_DIR
 
@@ -43,8 +43,8 @@ def test_fashion_mnist_shards_in_img2dataset_format(tmp_path):
     out = tmp_path / "fm"
     assert make_shards.main(["fashion-mnist", "--out", str(out), "--split", "test", "--limit", "250",
                              "--samples-per-shard", "100"]) == 0
-    assert sorted(os.listdir(out)) == sorted(f"{s:05d}{ext}" for s in range(3)
-                                             for ext in (".tar", "_stats.json", ".parquet"))
+    assert sorted(os.listdir(out)) == sorted([ownership.MANIFEST] + [f"{s:05d}{ext}" for s in range(3)
+                                                                     for ext in (".tar", "_stats.json", ".parquet")])
     labels = _labels("test")
     index = 0
     for shard in range(3):
@@ -221,8 +221,8 @@ def test_processes_asking_for_the_demo_shards_together_get_one_set_written_once(
     assert sum("writing 10 shards" in o for o in outputs) == 1, outputs
     assert data.count_samples(data.resolve_shards(pattern)) == 3000
     assert sum(len(_read_tar(f"{out}/{s:05d}.tar")[0]) for s in range(10)) == 3000
-    assert sorted(os.listdir(out)) == sorted([".lock"] + [f"{s:05d}{ext}" for s in range(10)
-                                                          for ext in (".tar", "_stats.json", ".parquet")])
+    assert sorted(os.listdir(out)) == sorted([write_once.LOCK_FILE, ownership.MANIFEST] + [
+        f"{s:05d}{ext}" for s in range(10) for ext in (".tar", "_stats.json", ".parquet")])
 
 
 def test_a_writer_killed_half_way_leaves_no_complete_looking_set(tmp_path, monkeypatch):
@@ -236,7 +236,7 @@ def test_a_writer_killed_half_way_leaves_no_complete_looking_set(tmp_path, monke
     monkeypatch.setattr(make_shards, "write_shards", dies_after_two_shards)
     with pytest.raises(KeyboardInterrupt):
         make_shards.fashion_mnist_shards(str(out), "train", root=root, samples_per_shard=25)
-    assert os.listdir(out) == [".lock"]
+    assert os.listdir(out) == [write_once.LOCK_FILE]
     monkeypatch.undo()
     assert make_shards.fashion_mnist_shards(str(out), "train", root=root, samples_per_shard=25).endswith(
         "{00000..00003}.tar")

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from clip_jax import ownership
 from clip_jax.data import filters, transforms, webdataset
 from clip_jax.data import shards as shards_lib
 from clip_jax.errors import UserError
@@ -249,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.pattern is None) == (args.parquet is None):
         parser.error("give a shard pattern or --parquet FILE..., not both")
     try:
+        if args.json:  # before the counting, not after it
+            ownership.claim_file(args.json, writing="the counts", change="give another --json")
         sample_filter = filters.SampleFilter(args.filter, args.min_image_size, args.min_caption_chars)
         if args.parquet is not None:
             return _main_parquet(args.parquet, sample_filter, args.json)

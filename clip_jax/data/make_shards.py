@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
+from clip_jax import ownership
 from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput, UserError
@@ -34,6 +36,7 @@ from clip_jax.errors import InvalidInput, MissingInput, UserError
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+SHARD_FILE = re.compile(r"\d{5}(\.tar|\.tar\.tmp|_stats\.json|\.parquet)$")  # the names write_shard writes
 
 
 class Sample(NamedTuple):
@@ -79,6 +82,7 @@ def write_shard(samples: list[Sample], out_dir: str, shard_index: int) -> str:
     start = time.time()
     name = f"{shard_index:05d}"
     path = os.path.join(out_dir, f"{name}.tar")
+    ownership.record(out_dir, [f"{name}.tar", f"{name}.tar.tmp", f"{name}_stats.json", f"{name}.parquet"])
     rows = []
     with tarfile.open(path + ".tmp", "w", format=tarfile.USTAR_FORMAT) as tar:
         for row, sample in enumerate(samples):
@@ -103,10 +107,15 @@ def write_shard(samples: list[Sample], out_dir: str, shard_index: int) -> str:
     return path
 
 
-def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int = ROWS_PER_SHARD_MAX) -> list[str]:
-    """Writes ``samples`` into ``out_dir/00000.tar, 00001.tar, ...``; returns the tar paths."""
+def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int = ROWS_PER_SHARD_MAX, *,
+                 change: str = "write them into another folder") -> list[str]:
+    """Writes ``samples`` into ``out_dir/00000.tar, 00001.tar, ...``; returns the tar paths. Other files in
+    ``out_dir`` are left alone; shard files there that clip_jax did not write stop it before it writes anything
+    (``ownership.ForeignFiles``, ending with ``change``)."""
     if not 1 <= samples_per_shard <= ROWS_PER_SHARD_MAX:
         raise InvalidInput(f"samples_per_shard must be in [1, {ROWS_PER_SHARD_MAX}], got {samples_per_shard}")
+    shard_files = [name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if SHARD_FILE.match(name)]
+    ownership.refuse_foreign(out_dir, shard_files, writing="writing shards", change=change)
     os.makedirs(out_dir, exist_ok=True)
     paths, pending = [], []
     for sample in samples:
@@ -143,21 +152,28 @@ def fashion_mnist_samples(split: str, root: str = fashion_mnist.DEFAULT_DIR, ima
 
 
 def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str | None = None,
-                         samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None) -> str:
+                         samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None,
+                         change: str = "choose a new or empty folder") -> str:
     """Shards of a Fashion-MNIST split in ``out_dir``, written on first use; returns their brace pattern.
 
     Processes that ask at the same time (the ranks of a local launch) get one set, written by one of them
-    (:mod:`clip_jax.data.write_once`). ``root``: the folder of the ``*-ubyte.gz`` files (default: Debian's).
+    (:mod:`clip_jax.data.write_once`), into a folder that holds nothing clip_jax did not write (else
+    ``ownership.ForeignFiles``, ending with ``change``). ``root``: the folder of the ``*-ubyte.gz`` files (default:
+    Debian's).
     """
     root = fashion_mnist.DEFAULT_DIR if root is None else root
     num_shards = -(-fashion_mnist.num_images(split, root) // samples_per_shard)
     names = [f"{i:05d}" for i in range(num_shards)]
     write_once.write_once(
         out_dir,
-        is_complete=lambda: all(os.path.exists(os.path.join(out_dir, f"{name}_stats.json")) for name in names),
+        is_complete=lambda: _stats_present(out_dir, names),
         write=lambda folder: write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard),
-        marker_suffix="_stats.json", what=f"{num_shards} shards of the Fashion-MNIST {split} split")
+        marker_suffix="_stats.json", what=f"{num_shards} shards of the Fashion-MNIST {split} split", change=change)
     return shard_pattern([os.path.join(out_dir, f"{name}.tar") for name in names])
+
+
+def _stats_present(folder: str, names: list[str]) -> bool:
+    return all(os.path.exists(os.path.join(folder, f"{name}_stats.json")) for name in names)
 
 
 def write_missing_shards(pattern: str, source: str, *, root: str | None = None) -> None:
@@ -165,7 +181,9 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
     ``make_train_data``).
 
     ``"fashion-mnist"``: the training split spread evenly over shards ``00000.tar, 00001.tar, ...`` of one local
-    folder, as many as the pattern names (``{00000..00011}.tar``: 12 shards of 5,000 images).
+    folder, as many as the pattern names (``{00000..00011}.tar``: 12 shards of 5,000 images). Shards that are all
+    there with their ``_stats.json`` (whoever wrote them) are read as they are; a folder holding other files that
+    clip_jax did not write is refused with one line naming them: it is the user's data, not the demo's.
     """
     if source != "fashion-mnist":
         raise InvalidInput(f"make_train_data={source!r}: the trainer can write only 'fashion-mnist' shards; write "
@@ -176,9 +194,20 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
         raise InvalidInput(
             f"train_data={pattern!r} cannot be written from Fashion-MNIST: name shards 00000.tar, 00001.tar, ... "
             "of one local folder, e.g. 'data/fashion-mnist/train/{00000..00011}.tar'")
+    if _stats_present(folder, [f"{i:05d}" for i in range(len(urls))]):
+        return
+    change = ("to train on them, set --config.make_train_data='' (and train_num_samples, without *_stats.json "
+              "files); for the demo's shards, point train_data at a new folder")
+    ownership.refuse_foreign(folder, writing=f"make_train_data={source!r}", change=change)
     root = fashion_mnist.DEFAULT_DIR if root is None else root
-    samples_per_shard = -(-fashion_mnist.num_images("train", root) // len(urls))
-    fashion_mnist_shards(folder, "train", root=root, samples_per_shard=samples_per_shard)
+    images = fashion_mnist.num_images("train", root)
+    fewest = -(-images // ROWS_PER_SHARD_MAX)
+    if len(urls) < fewest:
+        raise InvalidInput(f"train_data={pattern!r} names {len(urls)} shard{'s' if len(urls) > 1 else ''}: "
+                           f"make_train_data={source!r} spreads {images:,} images over them, at most "
+                           f"{ROWS_PER_SHARD_MAX:,} a shard; name at least {fewest}, e.g. "
+                           f"'{os.path.join(folder, '{00000..%05d}.tar' % (fewest - 1))}'")
+    fashion_mnist_shards(folder, "train", root=root, samples_per_shard=-(-images // len(urls)), change=change)
 
 
 def read_captions_file(path: str) -> dict[str, str]:
@@ -285,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             jobs = [(args.out, image_folder_samples(args.images, args.captions, args.image_size))]
         for out_dir, samples in jobs:
-            paths = write_shards(samples, out_dir, args.samples_per_shard)
+            paths = write_shards(samples, out_dir, args.samples_per_shard, change="give another --out folder")
             print(f"wrote {len(paths)} shards to {out_dir}: {shard_pattern(paths)}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from clip_jax import ownership
 from clip_jax.data import filters
 from clip_jax.errors import InvalidInput, MissingInput
 
@@ -83,6 +84,7 @@ def write_filtered(paths: Sequence[str], sample_filter: filters.SampleFilter, ou
     import pyarrow.parquet as pq
 
     _need_expression(sample_filter)
+    ownership.claim_file(out_path, writing="the filtered rows", change="give another --out")
     report, writer = ParquetReport(), None
     try:
         for path in paths:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from clip_jax import ownership
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import metrics as metrics_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
@@ -83,8 +84,8 @@ def result_filename(record: dict) -> str:
 def write_record(record: dict, directory: str) -> str:
     """Writes one result JSON into `directory`; returns its path. NaN metrics are written as NaN, like
     CLIP_benchmark's files."""
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, result_filename(record))
+    ownership.claim_file(path, writing="the result", change="give another output folder")
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
@@ -97,7 +98,7 @@ def write_summary(records: Sequence[dict], path: str) -> None:
     names = []
     for record in records:
         names.extend(k for k in record["metrics"] if k not in names)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    ownership.claim_file(path, writing="the summary", change="give another path")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([*RECORD_FIELDS, *names])
