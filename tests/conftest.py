@@ -5,11 +5,21 @@ models and the random batch the tests share."""
 import copy
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.xla_gpu.prepare()
+
+# XLA's persistent compilation cache in a folder of this test session's own, shared by the trainer processes the
+# tests start (they inherit the environment): a program compiled once, however small, is read back by every later
+# test and process that builds the same one. Empty at the start of each session; removed at its end.
+_XLA_CACHE = tempfile.mkdtemp(prefix="clip_jax-tests-xla-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
@@ -44,3 +54,7 @@ def trainer_model_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny.json"
     path.write_text(json.dumps(TRAINER_MODEL))
     return str(path)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
