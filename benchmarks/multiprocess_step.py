@@ -1,14 +1,15 @@
 """The demo's step time as 1 process x 4 CPU devices and as 2 processes x 2 (joined with gloo), the same global
-batch: what the multi-process step loop costs beyond the step itself.
+batch: what a multi-process run costs beyond the step's own work.
 
-    PYTHONPATH=. python benchmarks/multiprocess_step.py [--steps 16] [--log-every 5] [--layouts 1x4,2x2]
-                                                         [--data DIR] [--label NAME] [--out DIR]
+    PYTHONPATH=. python benchmarks/multiprocess_step.py [--steps 16] [--log-every 5] [--batch 256]
+                                                         [--layouts 1x4,2x2] [--data DIR] [--label NAME] [--out DIR]
 
 Each layout trains `configs/demo.py` for `--steps` steps through `launch/local.py` (no zero-shot, no checkpoint
 before the end), logging every `--log-every` steps. The steady-state seconds per step are the log windows' wall
 time over their steps, read from the run's metrics.jsonl (`samples_per_sec`), leaving out the first window (it
-starts right after the first step's compilation). The goal: 2 x 2 within 2x of 1 x 4. The demo's Fashion-MNIST
-shards are written once under `--data` and reused. Prints a table and writes
+starts right after the first step's compilation). The goal: 2 x 2 within 2x of 1 x 4. A smaller `--batch` (per
+device; the demo's 256 by default) makes the cost of everything besides the step's compute stand out. The demo's
+Fashion-MNIST shards are written once under `--data` and reused. Prints a table and writes
 OUT/cpu-DATE-multiprocess-step[-LABEL].json (OUT: benchmarks/results).
 """
 
@@ -24,7 +25,6 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-PER_DEVICE_BATCH = 256  # configs/demo.py
 DEVICES = 4  # in every layout: the same global batch
 
 
@@ -36,7 +36,7 @@ def run_layout(processes: int, args, logs: pathlib.Path) -> dict:
         "--devices-per-process", str(DEVICES // processes), "--log-dir", str(logs / f"{name}-ranks"), "--",
         sys.executable, "-m", "clip_jax.train", f"--config={REPO}/configs/demo.py", f"--config.name={name}",
         f"--config.logs={logs}", f"--config.train_data={args.data}/train/{{00000..00011}}.tar",
-        f"--config.train_num_samples={args.steps * PER_DEVICE_BATCH * DEVICES}",
+        f"--config.batch_size={args.batch}", f"--config.train_num_samples={args.steps * args.batch * DEVICES}",
         f"--config.log_every_n_steps={args.log_every}", "--config.warmup=2", "--config.save_every_steps=0",
         "--config.zeroshot_data=", "--config.report_to=none"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -45,7 +45,7 @@ def run_layout(processes: int, args, logs: pathlib.Path) -> dict:
     wall = time.perf_counter() - start
     if result.returncode:
         raise SystemExit(f"{name} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    windows = log_windows(logs / name / "metrics.jsonl", PER_DEVICE_BATCH * DEVICES)
+    windows = log_windows(logs / name / "metrics.jsonl", args.batch * DEVICES)
     steady = windows[1:]
     return {"layout": name, "processes": processes, "wall_s": wall, "windows": windows,
             "step_s": sum(w["seconds"] for w in steady) / sum(w["steps"] for w in steady)}
@@ -68,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=256, help="per device (configs/demo.py: 256)")
     parser.add_argument("--layouts", default="1x4,2x2", help="processes x devices, each with 4 devices in all")
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "clip_jax-demo-data"),
                         help="the demo's shards: written by the first run, then reused")
@@ -87,7 +88,7 @@ def main() -> None:
                   flush=True)
     base = runs[0]["step_s"]
     print()
-    print(f"demo, global batch {PER_DEVICE_BATCH * DEVICES}, {args.steps} steps, {os.cpu_count()} cores, "
+    print(f"demo, global batch {args.batch * DEVICES}, {args.steps} steps, {os.cpu_count()} cores, "
           f"load average {load_at_start:.1f} at start")
     print("| processes x devices | s/step (steady) | vs " + runs[0]["layout"] + " | run wall s |")
     print("| --- | ---: | ---: | ---: |")
