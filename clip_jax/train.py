@@ -316,7 +316,7 @@ class Trainer:
                   f"{schedule.total_steps} steps, precision {self.engine.spec.precision}")
         stop = StopSignal()
         monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)
-        reads = StepReads(lambda step, metrics: self._observe(step, metrics, monitor))
+        reads = StepReads(lambda step, scalars: self._observe(step, scalars, monitor))
         first_step = True
         try:
             while self.step < schedule.total_steps:
