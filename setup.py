@@ -19,7 +19,6 @@ setup(
         "orbax-checkpoint>=0.12.8",
         "grain>=0.2.18",
         "ml-collections>=1.1.0",
-        "clu>=0.0.12",
         "tensorboard>=2.21",
         "tensorflow-datasets>=4.9.10",
         "numpy>=2.0",

@@ -1,27 +1,43 @@
-"""Training metrics: clu collections averaged over the logging window, written to TensorBoard and the console.
+"""Training metrics: the train step's scalars averaged over the logging window on the host, written to TensorBoard
+and the console.
 
-clu's own `metric_writers` import TensorFlow; TensorBoard event files are written here with the `tensorboard`
-package alone, which needs no TensorFlow.
+TensorBoard event files are written here with the `tensorboard` package alone, which needs no TensorFlow.
 """
 
 import math
 import os
 import time
-
-import flax
-import jax
-from clu import metrics as clu_metrics
+from collections.abc import Mapping
 
 
-@flax.struct.dataclass
-class TrainMetrics(clu_metrics.Collection):
-    """Per-step outputs of the train step, averaged over the steps of one logging window (on device, no sync)."""
+class MetricsWindow:
+    """The train step's scalars over one logging window, summed on the host (in float64) as each step is read:
+    `loss`, `accuracy`, `logit_scale` and `grad_norm` averaged over the window's finite steps, `learning_rate` that
+    of the last finite step. A skipped (non-finite) step is left out: its loss would only turn the averages into NaN.
+    """
 
-    loss: clu_metrics.Average.from_output("loss")
-    accuracy: clu_metrics.Average.from_output("accuracy")
-    logit_scale: clu_metrics.Average.from_output("logit_scale")
-    grad_norm: clu_metrics.Average.from_output("grad_norm")
-    learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+    AVERAGED = ("loss", "accuracy", "logit_scale", "grad_norm")
+
+    def __init__(self):
+        self.finite_steps = 0
+        self._sums = dict.fromkeys(self.AVERAGED, 0.0)
+        self._learning_rate = math.nan
+
+    def add(self, scalars: Mapping[str, float]) -> None:
+        """One step's scalars, read to the host (`finite` among them)."""
+        if not scalars["finite"]:
+            return
+        self.finite_steps += 1
+        for name in self.AVERAGED:
+            self._sums[name] += float(scalars[name])
+        self._learning_rate = float(scalars["learning_rate"])
+
+    def scalars(self) -> dict[str, float]:
+        """The averages and the last learning rate; empty when no step of the window was finite."""
+        if not self.finite_steps:
+            return {}
+        return {name: total / self.finite_steps for name, total in self._sums.items()} | {
+            "learning_rate": self._learning_rate}
 
 
 class TensorBoardWriter:
@@ -79,7 +95,3 @@ def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, 
         parts.append(f"non-finite {int(scalars['skipped_updates'])}")
     parts.append(f"ETA {format_duration(scalars['eta_seconds'])}")
     return " | ".join(parts)
-
-
-def window_scalars(collection: TrainMetrics) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(collection.compute()).items()}

@@ -1,26 +1,51 @@
 """The step loop's bookkeeping between the devices and the log: the dispatched step not read yet, and the metrics
 window since the last log line (its steps, wall time and time spent waiting for data).
 
-The host reads a step's loss only after dispatching the next one, so the devices never wait for the host between
+The host reads a step's scalars only after dispatching the next one, so the devices never wait for the host between
 steps; at a log, save, evaluation or stop step the reads catch up first (`catch_up`), so nothing is logged or saved
-unchecked. Reading a step may roll the run back; the unread step and the window then belong to the abandoned
+unchecked. A read copies the step's replicated metrics from one of this process's devices and averages them on the
+host: it runs no program, where a jnp operation on them (a device copy, a merge on device) would run one across
+every process. Reading a step may roll the run back; the unread step and the window then belong to the abandoned
 trajectory and are dropped, here and nowhere else.
 """
 
 import time
 from collections.abc import Callable
 
-from clip_jax.metrics import TrainMetrics
+import jax
+import numpy as np
+
+from clip_jax.metrics import MetricsWindow
+
+
+def local_values(tree):
+    """A tree of replicated arrays as numpy values, each copied from its first local device: no program runs, also
+    when the arrays span other processes' devices."""
+
+    def local_replica(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if not x.is_fully_replicated:
+            raise ValueError(f"a step metric of sharding {x.sharding} is not replicated: no one device holds it")
+        return x.addressable_shards[0].data
+
+    return jax.device_get(jax.tree.map(local_replica, tree))
+
+
+def step_scalars(metrics: dict) -> dict[str, np.ndarray]:
+    """A step's metrics but its spike telemetry (read at log lines only), on the host."""
+    return local_values({k: v for k, v in metrics.items() if k != "telemetry"})
 
 
 class StepReads:
-    """`read(step, metrics) -> bool` checks one step's metrics (and returns True when it rolled the run back)."""
+    """`read(step, scalars) -> bool` checks one step's scalars, read to the host (and returns True when it rolled
+    the run back)."""
 
     def __init__(self, read: Callable[[int, dict], bool]):
         self._read = read
         self._unread: tuple[int, dict] | None = None
-        self.window: TrainMetrics | None = None  # merged over the finite steps read since the last log line
-        self.last_read: tuple[int, dict] | None = None  # the latest step read and kept, with its metrics
+        self.window = MetricsWindow()  # the steps read since the last log line
+        self.last_read: tuple[int, dict] | None = None  # the latest step read and kept, with its metrics on device
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -45,18 +70,17 @@ class StepReads:
         if self._unread is None:
             return False
         (step, metrics), self._unread = self._unread, None
-        if self._read(step, metrics):
-            self.window = self.last_read = None
+        scalars = step_scalars(metrics)
+        if self._read(step, scalars):
+            self.window, self.last_read = MetricsWindow(), None
             return True
         self.last_read = (step, metrics)
-        if bool(metrics["finite"]):  # a skipped step's loss would only turn the window's averages into NaN
-            update = TrainMetrics.single_from_model_output(**{k: v for k, v in metrics.items() if k != "telemetry"})
-            self.window = update if self.window is None else self.window.merge(update)
+        self.window.add(scalars)
         return False
 
-    def take_window(self) -> tuple[TrainMetrics | None, int, float, float]:
+    def take_window(self) -> tuple[MetricsWindow, int, float, float]:
         """(metrics, steps, seconds, seconds waiting for data) of the window, and a new one begins."""
         taken = (self.window, self.steps, time.perf_counter() - self.started, self.data_wait)
-        self.window = None
+        self.window = MetricsWindow()
         self.restart_clock()
         return taken

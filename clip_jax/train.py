@@ -31,7 +31,7 @@ from clip_jax.device_telemetry import Telemetry, progress_parts
 from clip_jax.distributed import initialize_from_environment
 from clip_jax.errors import RunFailed, UserError
 from clip_jax.hardware import gpu_for_device_kind
-from clip_jax.metrics import TensorBoardWriter, progress_line, window_scalars
+from clip_jax.metrics import MetricsWindow, TensorBoardWriter, progress_line
 from clip_jax.models import create_model
 from clip_jax.models.flops import train_flops
 from clip_jax.parallel import make_global_batch
@@ -39,7 +39,7 @@ from clip_jax.preemption import StopSignal
 from clip_jax.run_setup import plan_run_start
 from clip_jax.stability import InstabilityMonitor
 from clip_jax.step_factory import StepSpec, build_step, mesh_for, model_at_image_size
-from clip_jax.step_reads import StepReads
+from clip_jax.step_reads import StepReads, local_values
 
 log = logging.getLogger("clip_jax.train")
 
@@ -318,7 +318,7 @@ class Trainer:
                   f"{schedule.total_steps} steps, precision {self.engine.spec.precision}")
         stop = StopSignal()
         monitor = InstabilityMonitor(c.nan_patience, c.loss_spike_factor)
-        reads = StepReads(lambda step, metrics: self._observe(step, metrics, monitor))
+        reads = StepReads(lambda step, scalars: self._observe(step, scalars, monitor))
         first_step = True
         try:
             while self.step < schedule.total_steps:
@@ -376,10 +376,10 @@ class Trainer:
         signal is a collective that makes the host wait for the devices."""
         return jax.process_count() == 1 or self.step % STOP_CHECK_EVERY_STEPS == 0
 
-    def _observe(self, step: int, metrics: dict, monitor: InstabilityMonitor) -> bool:
-        """Reads step `step`'s loss; counts a skipped update; rolls back (returning True) when the monitor sees a
-        problem."""
-        loss, finite = (float(x) for x in jax.device_get((metrics["loss"], metrics["finite"])))
+    def _observe(self, step: int, scalars: dict, monitor: InstabilityMonitor) -> bool:
+        """Checks step `step`'s loss (`scalars`: its metrics, on the host); counts a skipped update; rolls back
+        (returning True) when the monitor sees a problem."""
+        loss, finite = float(scalars["loss"]), bool(scalars["finite"])
         if not finite:
             self.skipped_updates += 1
             log.warning("step %d: non-finite loss or gradients, update skipped", step)
@@ -394,16 +394,18 @@ class Trainer:
         return False
 
     def _telemetry(self, last_read: tuple[int, dict] | None) -> dict[str, float]:
-        """The spike telemetry of the step just read, when it is this step and computed it."""
+        """The spike telemetry of the step just read, when it is this step and computed it; copied from a local
+        device (a logging step's only read of it)."""
         if last_read is None or last_read[0] != self.step or "telemetry" not in last_read[1]:
             return {}
         step = self.engine.spec.telemetry_every
         if not step or self.step % step:  # the final step of a run may fall between telemetry steps
             return {}
-        return telemetry_lib.flatten(jax.device_get(last_read[1]["telemetry"]))
+        return telemetry_lib.flatten(local_values(last_read[1]["telemetry"]))
 
-    def _log_window(self, window, steps: int, elapsed: float, data_wait: float, telemetry: dict | None = None) -> None:
-        scalars = window_scalars(window) if window is not None else {}
+    def _log_window(self, window: MetricsWindow, steps: int, elapsed: float, data_wait: float,
+                    telemetry: dict | None = None) -> None:
+        scalars = window.scalars()
         if not scalars:
             return
         samples_per_sec = steps * self.schedule.global_batch / max(elapsed, 1e-9)

@@ -1,8 +1,11 @@
-"""The trainer end to end on 8 simulated devices and the demo data: learning, resumption, faults, bad configs."""
+"""The trainer end to end on 8 simulated devices and the demo data: learning, resumption, faults, bad configs, and
+what its step loop reads between steps."""
 
 import dataclasses
+import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +19,9 @@ from clip_jax import train as train_lib
 from clip_jax import zeroshot
 from clip_jax.config import check_config
 from clip_jax.data import make_shards
+from clip_jax.metrics import MetricsWindow
+from clip_jax.parallel import batch_sharding, create_mesh, replicated
+from clip_jax.step_reads import local_values
 from trainer_run import losses, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,11 +65,16 @@ def with_nan_batches(trainer, steps: set[int]):
     return trainer
 
 
-def wait_for_step(run_dir, step, process, timeout=240):
+def wait_for_step(run_dir, step, process, timeout=240, checkpoint=None):
+    """Until the trainer `process` has logged step `step` and, when given, completed checkpoint `checkpoint` (an
+    asynchronous save may complete several steps after its own)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         path = os.path.join(run_dir, "metrics.jsonl")
-        if os.path.exists(path) and losses(run_dir) and max(losses(run_dir)) >= step:
+        logged = os.path.exists(path) and losses(run_dir) and max(losses(run_dir)) >= step
+        saved = checkpoint is None or (os.path.isdir(os.path.join(run_dir, "checkpoints"))
+                                       and checkpoint in saved_steps(run_dir))
+        if logged and saved:
             return
         if process.poll() is not None:
             raise AssertionError(f"trainer exited early ({process.returncode}):\n{process.stdout.read()}")
@@ -116,6 +127,90 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
     assert sorted(losses(tmp_path / "run")) == [4, 8]
 
 
+# The host side of one program's launch, once per execution (its per-device parts are "[i] CommonPjRt...").
+PROGRAM_LAUNCH = re.compile(r"^CommonPjRtLoadedExecutable::Execute \((.+)\)$")
+
+
+def programs_launched(trace_dir) -> list[str]:
+    """The programs a profiler trace saw launched, by name, in launch order."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    profile = jax.profiler.ProfileData.from_file(path)
+    launches = sorted((event.start_ns, match.group(1)) for plane in profile.planes for line in plane.lines
+                      for event in line.events if (match := PROGRAM_LAUNCH.match(event.name)))
+    return [name for _, name in launches]
+
+
+def test_a_step_runs_no_program_but_the_train_step_on_logging_steps_too(shards, tmp_path):
+    # 7 steps of 64, a log line (with spike telemetry) at 3 and 6, and at 7, the last: traced from the dispatch of
+    # step 2 (after compilation) to the final save, each program launched is attributed to the step dispatched
+    # before it. Reading a metric through a jnp operation (a device copy, a merge on device) would run a program:
+    # in a multi-process run one across every process, waiting for them all, on every step.
+    config = tiny_config(shards, tmp_path, train_num_samples=448, log_every_n_steps=3, save_every_steps=0)
+    trainer = train_lib.Trainer(config)
+    step_fn, save = trainer.engine.update, trainer.save
+    trace_dir, options = str(tmp_path / "trace"), jax.profiler.ProfileOptions()
+    options.python_tracer_level, options.enable_hlo_proto = 0, False
+    tracing = False
+
+    def dispatch(state, batch):
+        nonlocal tracing
+        if trainer.step == 1:
+            jax.profiler.start_trace(trace_dir, profiler_options=options)
+            tracing = True
+        return step_fn(state, batch)
+
+    def stop_tracing_then_save(force=False):  # the first save follows the last step's log line
+        nonlocal tracing
+        if tracing:
+            jax.profiler.stop_trace()
+            tracing = False
+        save(force=force)
+
+    trainer.engine = dataclasses.replace(trainer.engine, update=dispatch)
+    trainer.save = stop_tracing_then_save
+    try:
+        with trainer:
+            trainer.train()
+    finally:
+        if tracing:  # the run failed part way: the next test may trace
+            jax.profiler.stop_trace()
+    step_program = f"jit_{step_fn.__name__}"
+    per_step, step = {}, 1  # step -> the programs launched from its dispatch to the next one's
+    for name in programs_launched(trace_dir):
+        if name == step_program:
+            step += 1
+        per_step.setdefault(step, []).append(name)
+    assert per_step == {step: [step_program] for step in range(2, 8)}
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [3, 6, 7]
+    assert [any(k.startswith("telemetry/") for k in r) for r in logged] == [True, True, False]
+
+
+def read_step(loss, learning_rate, finite=True) -> dict:
+    """One step's scalars as `StepReads` hands them to the window."""
+    return {"loss": np.float32(loss), "accuracy": np.float32(loss / 10), "logit_scale": np.float32(14),
+            "grad_norm": np.float32(2 * loss), "learning_rate": np.float32(learning_rate), "finite": np.bool_(finite)}
+
+
+def test_a_log_window_averages_its_finite_steps_and_keeps_their_last_learning_rate():
+    window = MetricsWindow()
+    assert window.scalars() == {}
+    window.add(read_step(np.nan, 1e-3, finite=False))
+    assert window.scalars() == {}  # nothing to log
+    for loss, learning_rate, finite in [(3.0, 2e-3, True), (np.nan, 3e-3, False), (2.0, 4e-3, True)]:
+        window.add(read_step(loss, learning_rate, finite))
+    assert window.scalars() == pytest.approx(
+        {"loss": 2.5, "accuracy": 0.25, "logit_scale": 14.0, "grad_norm": 5.0, "learning_rate": 4e-3})
+    assert list(window.scalars()) == ["loss", "accuracy", "logit_scale", "grad_norm", "learning_rate"]
+
+
+def test_step_metrics_are_read_from_a_local_replica_and_must_be_replicated():
+    mesh = create_mesh()
+    assert local_values({"loss": jax.device_put(np.float32(2.5), replicated(mesh))}) == {"loss": 2.5}
+    with pytest.raises(ValueError, match="not replicated"):
+        local_values({"loss": jax.device_put(np.arange(8.0), batch_sharding(mesh))})
+
+
 def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards, tmp_path, monkeypatch):
     # The stop signal arrives while step 6 (NaN inputs, nan_patience 1) is dispatched but unread: the stop check
     # reads it first, rolls back to checkpoint 4 once, and stops there.
@@ -150,7 +245,7 @@ def uninterrupted(shards, tmp_path_factory):
 def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
     config = tiny_config(shards, tmp_path, resume="latest")
     process = launch(config)
-    wait_for_step(tmp_path / "run", 19, process)
+    wait_for_step(tmp_path / "run", 19, process, checkpoint=16)
     process.kill()  # SIGKILL: no chance to save
     process.wait()
     assert 16 in saved_steps(tmp_path / "run")
