@@ -28,14 +28,14 @@ setup(
         "pillow>=12.0",
         "safetensors>=0.8",
         "fsspec>=2026.1.0",
-        "psutil>=5.9",  # host CPU and RAM in the training log (clip_jax.device_telemetry)
+        "psutil>=5.9",  # host CPU and RAM in the training log (clip_jax.ops.device_telemetry)
         "pyarrow>=14",  # LAION's parquet metadata: data.check --parquet, make_shards filter-parquet
     ],
     extras_require={
-        # XLA:GPU: the planner compiles for GPUs without one (clip_jax.xla_gpu), and training runs on NVIDIA GPUs.
+        # XLA:GPU: the planner compiles for GPUs without one (clip_jax.runtime.xla_gpu), and training runs on NVIDIA GPUs.
         # jaxlib's CUDA 13 plugin and NVIDIA's libraries: about 4.4 GB of wheels (most of them shared with torch's
         # CUDA build, which the test extra brings).
-        # nvidia-ml-py: GPU utilisation, memory, temperature and power in the training log (clip_jax.device_telemetry).
+        # nvidia-ml-py: GPU utilisation, memory, temperature and power in the training log (clip_jax.ops.device_telemetry).
         "gpu": ["jax[cuda13]", "nvidia-ml-py>=12"],
         # report_to=wandb; python -m clip_jax.report (its PNG).
         "wandb": ["wandb>=0.19"],

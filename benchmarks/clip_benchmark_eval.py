@@ -25,9 +25,8 @@ import time
 import jax
 from PIL import Image
 
-from clip_jax import zeroshot
 from clip_jax.data import fashion_mnist
-from clip_jax.evaluation import clip_benchmark
+from clip_jax.evaluation import clip_benchmark, zeroshot
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -61,8 +60,8 @@ def clip_benchmark_scores(folder: pathlib.Path, checkpoint: str, model_json: str
     from clip_benchmark.datasets.builder import build_dataset
     from clip_benchmark.metrics.zeroshot_classification import run_classification, zero_shot_classifier
 
-    from clip_jax.convert import to_open_clip
     from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
+    from clip_jax.interop.convert import to_open_clip
 
     cfg = json.loads(pathlib.Path(model_json).read_text())
     model = open_clip.CLIP(**cfg)

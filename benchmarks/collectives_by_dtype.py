@@ -14,7 +14,7 @@ import argparse
 import importlib.util
 import re
 
-from clip_jax import xla_gpu
+from clip_jax.runtime import xla_gpu
 
 _COLLECTIVE = re.compile(r"= (.+?) (all-gather|reduce-scatter|all-reduce)(-start)?\(")
 _DTYPE = re.compile(r"\b(bf16|f16|f32|s32)\[")
@@ -41,9 +41,9 @@ def main():
     args = parser.parse_args()
     xla_gpu.prepare()  # before JAX loads its plugins
 
-    from clip_jax.hardware import GPUS
-    from clip_jax.parallel import create_mesh
     from clip_jax.plan.steps import compile_train_step, planned_spec
+    from clip_jax.runtime.hardware import GPUS
+    from clip_jax.runtime.mesh import create_mesh
 
     module_spec = importlib.util.spec_from_file_location("config", args.config)
     module = importlib.util.module_from_spec(module_spec)

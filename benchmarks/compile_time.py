@@ -22,9 +22,9 @@ import time
 import jax
 
 from clip_jax.models import get_model_config
-from clip_jax.parallel import create_mesh
 from clip_jax.plan import compile_train_step
-from clip_jax.step_factory import StepSpec
+from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training.step_factory import StepSpec
 
 BASE = "ViT-L-14"
 

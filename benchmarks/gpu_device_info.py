@@ -2,9 +2,9 @@
 
     python benchmarks/gpu_device_info.py OUT.json     # on a GPU machine (needs cupy or torch)
 
-`clip_jax/hardware.py` ships a target config per GPU for deviceless compiles; this records the real device's numbers
-(multiprocessors, clocks, memory, caches, per-block and per-multiprocessor limits, cuDNN and CUDA versions) so that
-a shipped config can be checked against a device, field by field.
+`clip_jax/runtime/hardware.py` ships a target config per GPU for deviceless compiles; this records the real device's
+numbers (multiprocessors, clocks, memory, caches, per-block and per-multiprocessor limits, cuDNN and CUDA versions) so
+that a shipped config can be checked against a device, field by field.
 """
 
 import json

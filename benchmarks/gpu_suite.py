@@ -19,8 +19,8 @@ order `--phases` gives:
 - specs: the runs a JSON file lists (benchmarks/specs/), each with optional extra `xla_flags` for its process.
 
 A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
-back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's datasheet
-peak for the precision (clip_jax.hardware), MFU* against the matmul phase's measured peak. clip_jax runs also record
+back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's datasheet peak
+for the precision (clip_jax.runtime.hardware), MFU* against the matmul phase's measured peak. clip_jax runs also record
 XLA's memory analysis on the GPU and the allocator's peak; bf16 runs with XLA's attention also compile the same step
 with the planner on the CPU (`clip_jax.plan`), to compare its estimate.
 
@@ -69,13 +69,13 @@ def timed_rounds(run_steps, steps: int, rounds: int, warmup: int) -> list[float]
 def measure_clip_jax(spec: dict) -> dict:
     import jax
 
-    from clip_jax.hardware import gpu_for_device_kind
     from clip_jax.models import get_model_config
     from clip_jax.models.flops import train_flops
     from clip_jax.models.layers import choose_attention_impl
-    from clip_jax.parallel import create_mesh, make_global_batch
-    from clip_jax.precision import get_policy
-    from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+    from clip_jax.models.precision import get_policy
+    from clip_jax.runtime.hardware import gpu_for_device_kind
+    from clip_jax.runtime.mesh import create_mesh, make_global_batch
+    from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
     config = get_model_config(spec["model"])
     device = jax.local_devices()[0]
@@ -176,9 +176,9 @@ def measure_open_clip(spec: dict) -> dict:
               "loss": float(last_loss), "torch": torch.__version__, "open_clip": open_clip.__version__,
               "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None}
     if cuda:
-        from clip_jax.hardware import gpu_for_device_kind
         from clip_jax.models import get_model_config
         from clip_jax.models.flops import train_flops
+        from clip_jax.runtime.hardware import gpu_for_device_kind
 
         gpu = gpu_for_device_kind(torch.cuda.get_device_name())
         flops = train_flops(get_model_config(spec["model"]))

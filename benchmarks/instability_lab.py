@@ -39,8 +39,8 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from clip_jax import train as train_lib  # noqa: E402
 from clip_jax.errors import UserError  # noqa: E402
+from clip_jax.training import trainer as train_lib  # noqa: E402
 
 CONFIG = REPO / "configs" / "demo_unstable.py"
 SPIKE_FACTOR, SPIKE_HISTORY = 1.15, 10

@@ -20,10 +20,10 @@ import statistics
 import jax
 from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, time_steps
 
-from clip_jax.lock import LockSpec
 from clip_jax.models import get_model_config
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.optim.lock import LockSpec
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 LOCKS = {"none": LockSpec(), "lock_image": LockSpec(image=True),
          "lock_image, 2 groups unlocked": LockSpec(image=True, image_unlocked_groups=2),

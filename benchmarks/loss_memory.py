@@ -20,8 +20,8 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from clip_jax.loss import contrastive_loss
-from clip_jax.parallel import batch_sharding, create_mesh, replicated
+from clip_jax.runtime.mesh import batch_sharding, create_mesh, replicated
+from clip_jax.training.loss import contrastive_loss
 
 
 def loss_memory(global_batch: int, embed_dim: int, num_devices: int) -> dict:

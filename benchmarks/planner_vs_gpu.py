@@ -2,11 +2,11 @@
 
     python benchmarks/planner_vs_gpu.py benchmarks/results/h200-2026-11-30-*.jsonl [--out DIR]
 
-For every clip_jax run of the GPU suite that finished (benchmarks/gpu_suite.py), compiles the same train step
-(model, precision, remat, attention, batch, one device) with XLA:GPU for the GPU the run was on, on this machine,
-from abstract inputs (`clip_jax.plan.compile_train_step` over `clip_jax.xla_gpu` devices), and sets its memory next
-to the peak JAX's allocator reported on the GPU. Needs jaxlib's CUDA plugin (`pip install -e '.[gpu]'`). Prints a
-table and writes DIR/planner_vs_gpu.json.
+For every clip_jax run of the GPU suite that finished (benchmarks/gpu_suite.py), compiles the same train step (model,
+precision, remat, attention, batch, one device) with XLA:GPU for the GPU the run was on, on this machine, from abstract
+inputs (`clip_jax.plan.compile_train_step` over `clip_jax.runtime.xla_gpu` devices), and sets its memory next to the
+peak JAX's allocator reported on the GPU. Needs jaxlib's CUDA plugin (`pip install -e '.[gpu]'`). Prints a table and
+writes DIR/planner_vs_gpu.json.
 """
 
 import argparse
@@ -14,17 +14,17 @@ import json
 import pathlib
 import time
 
-from clip_jax import xla_gpu
+from clip_jax.runtime import xla_gpu
 
 xla_gpu.prepare()
 
 import jax  # noqa: E402
 
 from clip_jax import plan  # noqa: E402
-from clip_jax.hardware import gpu_for_device_kind  # noqa: E402
 from clip_jax.models import get_model_config  # noqa: E402
-from clip_jax.parallel import create_mesh  # noqa: E402
-from clip_jax.step_factory import StepSpec  # noqa: E402
+from clip_jax.runtime.hardware import gpu_for_device_kind  # noqa: E402
+from clip_jax.runtime.mesh import create_mesh  # noqa: E402
+from clip_jax.training.step_factory import StepSpec  # noqa: E402
 
 
 def main() -> None:

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from train_step import random_batch, time_steps
 
-from clip_jax.loss import LOSSES
 from clip_jax.models.layers import choose_attention_impl
-from clip_jax.parallel import batch_sharding, create_mesh, make_global_batch, replicated
-from clip_jax.precision import get_policy
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
+from clip_jax.models.precision import get_policy
+from clip_jax.runtime.mesh import batch_sharding, create_mesh, make_global_batch, replicated
+from clip_jax.training.loss import LOSSES
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 SMALL = {  # OpenCLIP's model-config format

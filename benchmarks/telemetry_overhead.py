@@ -28,8 +28,8 @@ import jax
 from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, time_steps
 
 from clip_jax.models import get_model_config
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 NEVER = 10**9
 

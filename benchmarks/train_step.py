@@ -26,13 +26,13 @@ import jax
 import numpy as np
 from open_clip_step import make_open_clip_step, open_clip_optimizer
 
-from clip_jax.hardware import gpu_for_device_kind
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.models.layers import choose_attention_impl
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.precision import get_policy
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.models.precision import get_policy
+from clip_jax.runtime.hardware import gpu_for_device_kind
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 
 def keep_freed_memory_mapped() -> None:

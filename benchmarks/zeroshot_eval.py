@@ -28,11 +28,11 @@ import torch
 import torchvision
 from PIL import Image
 
-from clip_jax.convert import from_open_clip
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import ZeroShotEvaluator, image_folder_set, templates
+from clip_jax.interop.convert import from_open_clip
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
+from clip_jax.runtime.mesh import create_mesh
 
 # Input-bound: the model costs far less than decoding and resizing a ~450x340 JPEG.
 TINY_224 = {"embed_dim": 64, "vision_cfg": {"image_size": 224, "layers": 1, "width": 64, "patch_size": 32},

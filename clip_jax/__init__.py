@@ -11,12 +11,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CLIPConfig": "clip_jax.models",
     "create_model": "clip_jax.models",
-    "create_model_and_transforms": "clip_jax.inference",
-    "get_tokenizer": "clip_jax.inference",
+    "create_model_and_transforms": "clip_jax.interop.inference",
+    "get_tokenizer": "clip_jax.interop.inference",
     "get_model_config": "clip_jax.models",
     "init_params": "clip_jax.models",
     "list_models": "clip_jax.models",
-    "load_pretrained": "clip_jax.pretrained",
+    "load_pretrained": "clip_jax.interop.pretrained",
     "tokenize": "clip_jax.tokenizer",
 }
 __all__ = sorted(_EXPORTS)

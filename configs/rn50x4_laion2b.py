@@ -11,13 +11,13 @@ Per-GPU batch 224, as the L/14 run: 224 x 384 GPUs = 86,016 per step, the global
 --gpu=a100-40gb --gpus=384` (XLA:GPU's memory analysis of this step, bf16, every bottleneck block rematerialised)
 puts it at 13.1 GiB of an A100-40GB's 36.8 usable; 710 would fit (benchmarks/RESULTS.md, section 16), so 224 keeps
 the recipe's global batch with room to spare, not the most a GPU holds. BatchNorm normalises over the whole
-global batch of the step (see clip_jax.train_step), so the statistics are those of 86,016 images, not of one
+global batch of the step (see clip_jax.training.train_step), so the statistics are those of 86,016 images, not of one
 GPU's 224.
 
 Images are normalised with OpenAI's mean and std, as OpenCLIP does for its RN models (the default config's).
 """
 
-from clip_jax.config import OPENAI_MEAN, OPENAI_STD, default_config
+from clip_jax.training.config import OPENAI_MEAN, OPENAI_STD, default_config
 
 
 def get_config():

@@ -21,7 +21,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Fail a collective whose peer is gone instead of waiting forever.
 export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
 
-# clip_jax.distributed: a rank that stops sending heartbeats fails the whole job within this many seconds;
+# clip_jax.runtime.processes: a rank that stops sending heartbeats fails the whole job within this many seconds;
 # joining waits this long for every rank.
 export CLIP_JAX_HEARTBEAT_TIMEOUT="${CLIP_JAX_HEARTBEAT_TIMEOUT:-100}"
 export CLIP_JAX_INIT_TIMEOUT="${CLIP_JAX_INIT_TIMEOUT:-600}"

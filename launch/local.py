@@ -3,7 +3,7 @@
     python launch/local.py 2 --devices-per-process 4 -- python -m clip_jax.train --config configs/demo.py
 
 The way to try a multi-process launch before booking nodes. Each process gets CLIP_JAX_COORDINATOR,
-CLIP_JAX_NUM_PROCESSES and CLIP_JAX_PROCESS_ID (clip_jax.distributed reads them), its own simulated CPU
+CLIP_JAX_NUM_PROCESSES and CLIP_JAX_PROCESS_ID (clip_jax.runtime.processes reads them), its own simulated CPU
 devices, and a log file LOG_DIR/rank-I.log; rank 0 also prints to this terminal. When one process fails the
 others are stopped and the launcher exits with the first failure's status.
 """

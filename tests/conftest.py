@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.xla_gpu.prepare()
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.runtime.xla_gpu.prepare()
 
 # XLA's persistent compilation cache in a folder of this test session's own, shared by the trainer processes the
 # tests start (they inherit the environment): a program compiled once, however small, is read back by every later

@@ -1,4 +1,4 @@
-"""A stand-in for NVML's Python module (pynvml), handed to `clip_jax.device_telemetry` at its boundary."""
+"""A stand-in for NVML's Python module (pynvml), handed to `clip_jax.ops.device_telemetry` at its boundary."""
 
 import types
 

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from clip_jax.checkpoint import CheckpointMeta, CheckpointMismatchError, RunCheckpoints
-from clip_jax.train_step import TrainState
+from clip_jax.runtime.checkpoints import CheckpointMeta, CheckpointMismatchError, RunCheckpoints
+from clip_jax.training.train_step import TrainState
 
 
 def train_state(width: int, *, extra: bool = False, dtype=jnp.float32) -> TrainState:

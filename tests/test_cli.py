@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from clip_jax import convert, similarity, zeroshot
 from clip_jax.data import check, make_shards
 from clip_jax.errors import InvalidInput
+from clip_jax.evaluation import zeroshot
+from clip_jax.interop import convert, similarity
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing

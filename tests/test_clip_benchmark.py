@@ -13,16 +13,16 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 
-from clip_jax import convert, zeroshot
-from clip_jax.export import export_open_clip
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.evaluation import clip_benchmark
+from clip_jax.evaluation import clip_benchmark, zeroshot
 from clip_jax.evaluation import metrics as metrics_lib
+from clip_jax.interop import convert
+from clip_jax.interop.export import export_open_clip
 from clip_jax.models import get_model_config
-from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 
 CLASSES = ["bag", "boot", "coat", "dress", "shirt", "sandal"]
 TEMPLATES = ["a photo of a {c}.", "a {c}, seen from afar.", "{c}"]
@@ -394,10 +394,11 @@ def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_p
     the command line's acc1 and acc5 on the same params."""
     import types
 
-    from clip_jax import train as train_lib
-    from clip_jax.config import check_config
-    from clip_jax.parallel import create_mesh
     from trainer_run import tiny_config
+
+    from clip_jax.runtime.mesh import create_mesh
+    from clip_jax.training import trainer as train_lib
+    from clip_jax.training.config import check_config
 
     folder = setup["collection"] / "vtab" / "fashion"
     config = tiny_config(("/data/{000..001}.tar", setup["model"]), tmp_path, zeroshot_data=str(folder))
@@ -415,8 +416,9 @@ def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_p
     ("broken", "classnames.txt does not exist"),
 ])
 def test_check_config_refuses_a_benchmark_folder_it_cannot_evaluate(setup, tmp_path, dataset, message):
-    from clip_jax.config import check_config
     from trainer_run import tiny_config
+
+    from clip_jax.training.config import check_config
 
     folder = setup["collection"] / dataset
     if dataset == "broken":
@@ -444,10 +446,10 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, params_path, model_json, collection = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-from clip_jax.convert import load_params
+from clip_jax.interop.convert import load_params
 from clip_jax.evaluation import evaluate_benchmark, open_dataset
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
+from clip_jax.runtime.mesh import create_mesh
 model, params, mesh = create_model(model_json), load_params(params_path), create_mesh()
 metrics = {name: evaluate_benchmark(model, params, open_dataset(os.path.join(collection, name)), mesh, batch_size=8,
                                     num_threads=2)

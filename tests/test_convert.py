@@ -4,11 +4,11 @@ import jax
 import numpy as np
 import pytest
 import torch
+from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
 from safetensors.numpy import load_file
 
-from clip_jax import convert
+from clip_jax.interop import convert
 from clip_jax.models import create_model
-from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
 
 SMALLER = {**TINY, "vision_cfg": {**TINY["vision_cfg"], "patch_size": 16}, "text_cfg": {**TINY["text_cfg"],
                                                                                         "layers": 1}}

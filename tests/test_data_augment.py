@@ -12,8 +12,8 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.config import check_config, default_config
 from clip_jax.data import pipeline, transforms
+from clip_jax.training.config import check_config, default_config
 
 MEAN, STD = (0.48, 0.45, 0.40), (0.27, 0.26, 0.28)
 

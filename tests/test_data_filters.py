@@ -13,9 +13,9 @@ import webdataset as wds
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.config import check_config, default_config
 from clip_jax.data import check, filters, shards, webdataset
-from clip_jax.metrics import progress_line
+from clip_jax.ops.writers import progress_line
+from clip_jax.training.config import check_config, default_config
 
 EXPRESSION = "punsafe < 0.5 and NSFW != 'NSFW' and similarity >= 0.28"
 
@@ -310,9 +310,10 @@ def _metrics(run_dir):
 def test_a_filtered_run_logs_its_drops_per_rule_and_resumes_exactly(tmp_path, trainer_model_file):
     import shutil
 
-    from clip_jax import train as train_lib
-    from clip_jax.data import make_shards
     from trainer_run import losses, tiny_config
+
+    from clip_jax.data import make_shards
+    from clip_jax.training import trainer as train_lib
 
     paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=512), str(tmp_path / "s"), 128)
     config = tiny_config((make_shards.shard_pattern(paths), trainer_model_file), tmp_path, train_num_samples=256,

@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from clip_jax import data, ownership
+from clip_jax import data
 from clip_jax.data import check, fashion_mnist, make_shards, write_once
+from clip_jax.runtime import ownership
 
 FMNIST = fashion_mnist.DEFAULT_DIR
 
@@ -263,7 +264,7 @@ def refuse(event, args):
     if (event == "open" and isinstance(args[2], int) and args[2] & WRITES) or event == "os.mkdir":
         raise AssertionError(f"loading configs/demo.py wrote: {event} {args[:2]}")
 from ml_collections import config_flags  # noqa: F401 - what the trainer loads configs with, imported beforehand
-import clip_jax.config
+import clip_jax.training.config
 sys.addaudithook(refuse)
 import importlib.util
 spec = importlib.util.spec_from_file_location("demo", "configs/demo.py")

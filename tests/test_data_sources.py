@@ -13,9 +13,9 @@ import webdataset as wds
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.config import default_config
 from clip_jax.data import check, filters, make_shards, parquet_filter, synthetic, webdataset
 from clip_jax.tokenizer import tokenize
+from clip_jax.training.config import default_config
 
 MEAN_STD = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
 
@@ -153,8 +153,9 @@ def test_synthetic_from_the_run_config_needs_an_epoch_size():
 
 
 def test_a_synthetic_run_trains_without_shards(tmp_path, trainer_model_file):
-    from clip_jax import train as train_lib
     from trainer_run import losses, tiny_config
+
+    from clip_jax.training import trainer as train_lib
 
     config = tiny_config(("", trainer_model_file), tmp_path, dataset_type="synthetic", train_num_samples=128,
                          warmup=1, save_every_steps=0)
@@ -260,7 +261,7 @@ def test_make_shards_pre_filters_parquet(tmp_path):
 
 
 def test_data_fields_a_synthetic_or_csv_run_would_not_use_are_named():
-    from clip_jax.config import check_config
+    from clip_jax.training.config import check_config
 
     c = default_config()
     c.dataset_type, c.train_num_samples = "synthetic", 100

@@ -4,9 +4,9 @@ it, JAX allocator stats where a backend keeps them, and the warning lines."""
 
 import jax
 import pytest
-
-from clip_jax import device_telemetry as telemetry
 from fake_nvml import fake_nvml
+
+from clip_jax.ops import device_telemetry as telemetry
 
 GPUS = [dict(util=93, used=60e9, total=80e9, temp=61, power=350_000),
         dict(util=55, used=76e9, total=80e9, temp=70, power=410_500)]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from clip_jax import distributed
+from clip_jax.runtime import processes as distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "launch", "*.sh"))

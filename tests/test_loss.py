@@ -7,8 +7,8 @@ import pytest
 import torch
 from open_clip.loss import ClipLoss
 
-from clip_jax.loss import contrastive_loss, contrastive_loss_and_accuracy
-from clip_jax.parallel import batch_sharding, create_mesh
+from clip_jax.runtime.mesh import batch_sharding, create_mesh
+from clip_jax.training.loss import contrastive_loss, contrastive_loss_and_accuracy
 
 EMBED_DIM = 32
 

@@ -8,14 +8,14 @@ import numpy as np
 import open_clip
 import pytest
 import torch
-
-from clip_jax.convert import from_open_clip, open_clip_shapes, to_open_clip
-from clip_jax.models import count_params, create_model, get_model_config, init_params, param_shapes
-from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import StepSpec, build_step
 from open_clip_reference import TINY, random_inputs
 from tiny_model import SGD, TINY_MODEL, assert_same_update
+
+from clip_jax.interop.convert import from_open_clip, open_clip_shapes, to_open_clip
+from clip_jax.models import count_params, create_model, get_model_config, init_params, param_shapes
+from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import StepSpec, build_step
 
 NORMFORMER = {"qk_norm": True, "scale_heads": True, "scale_attn_inner": True, "scale_attn": True, "scale_fc": True,
               "ls_init_value": 0.1}
@@ -269,8 +269,8 @@ def test_cudnn_fused_attention_compiles_with_the_block_options_and_embed_cls_fal
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from clip_jax import xla_gpu
-    from clip_jax.hardware import get_gpu
+    from clip_jax.runtime import xla_gpu
+    from clip_jax.runtime.hardware import get_gpu
 
     mesh = create_mesh(xla_gpu.devices(get_gpu("h100"), 1, 1))
     whole = NamedSharding(mesh, P())

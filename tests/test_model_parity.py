@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-
-from clip_jax.convert import from_open_clip, to_open_clip
-from clip_jax.models import create_model
 from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
+
+from clip_jax.interop.convert import from_open_clip, to_open_clip
+from clip_jax.models import create_model
 
 CASES = [  # (model, batch)
     (TINY, 3),

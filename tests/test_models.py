@@ -10,10 +10,10 @@ import numpy as np
 import open_clip
 import pytest
 import torch
-
-from clip_jax.convert import from_open_clip
-from clip_jax.models import count_params, create_model, get_model_config, init_params, list_models
 from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
+
+from clip_jax.interop.convert import from_open_clip
+from clip_jax.models import count_params, create_model, get_model_config, init_params, list_models
 
 NAMED = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-L-14-336", "ViT-H-14", "ViT-g-14"]
 

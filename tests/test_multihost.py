@@ -13,15 +13,15 @@ import time
 import jax
 import numpy as np
 import pytest
+from trainer_run import losses, tiny_config
 
 from clip_jax import data
-from clip_jax import run_setup
-from clip_jax import train as train_lib
-from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints, data_iter_files, read_meta, saved_process_count
 from clip_jax.data import make_shards
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import build_step
-from trainer_run import losses, tiny_config
+from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints, data_iter_files, read_meta, saved_process_count
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training import run_setup
+from clip_jax.training import trainer as train_lib
+from clip_jax.training.step_factory import build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))

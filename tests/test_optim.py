@@ -11,7 +11,7 @@ import torch
 from open_clip.model import CLIP as OpenClipCLIP
 
 from clip_jax.models import create_model, init_params
-from clip_jax.optim import clamp_logit_scale, create_optimizer, decay_mask, warmup_cosine_schedule
+from clip_jax.optim.adamw import clamp_logit_scale, create_optimizer, decay_mask, warmup_cosine_schedule
 
 # Written out by hand from OpenCLIP's rule: kernels, embeddings and projections decay; norms, biases,
 # class_embedding (1-D) and logit_scale do not.

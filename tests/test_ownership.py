@@ -12,14 +12,16 @@ import jax
 import numpy as np
 import pytest
 from PIL import Image
-
-from clip_jax import convert, ownership, report, zeroshot
-from clip_jax.data import check, make_shards, write_once
-from clip_jax.evaluation import benchmark
-from clip_jax.export import export_open_clip
-from clip_jax.models import create_model, init_params
-from clip_jax.train import Trainer
 from trainer_run import tiny_config
+
+from clip_jax.data import check, make_shards, write_once
+from clip_jax.evaluation import benchmark, zeroshot
+from clip_jax.interop import convert
+from clip_jax.interop.export import export_open_clip
+from clip_jax.models import create_model, init_params
+from clip_jax.ops import report
+from clip_jax.runtime import ownership
+from clip_jax.training.trainer import Trainer
 
 SHARDS = "{00000..00005}.tar"
 

@@ -7,18 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TINY_MODEL as TINY_WITHOUT
+from tiny_model import assert_same_update, random_batch
 
-from clip_jax.config import check_config, default_config
-from clip_jax.loss import contrastive_loss_and_accuracy
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.flops import forward_flops, image_forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import LayerNorm, Transformer
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
-from clip_jax.train_step import TrainState, patch_dropout_key
-from tiny_model import TINY_MODEL as TINY_WITHOUT
-from tiny_model import assert_same_update, random_batch
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.config import check_config, default_config
+from clip_jax.training.loss import contrastive_loss_and_accuracy
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.training.train_step import TrainState, patch_dropout_key
 
 TINY = {**TINY_WITHOUT, "vision_cfg": {**TINY_WITHOUT["vision_cfg"], "patch_dropout": 0.5}}  # 16 patches, 8 kept
 GLOBAL_BATCH = 16

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from clip_jax.models import create_model, init_params
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.precision import POLICIES, cast_params, get_policy
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.models.precision import POLICIES, cast_params, get_policy
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
 

@@ -10,19 +10,19 @@ import optax
 import pytest
 import torch
 from open_clip.model import resize_pos_embed
+from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
 from safetensors.numpy import save_file
 
-from clip_jax import convert
-from clip_jax.config import check_config, default_config
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.export import export_open_clip
-from clip_jax.lock import LockSpec, trainable_mask
+from clip_jax.interop import convert
+from clip_jax.interop.export import export_open_clip
+from clip_jax.interop.pretrained import load_pretrained, resize_positional_embedding
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.config import open_clip_model_cfg
-from clip_jax.parallel import create_mesh
-from clip_jax.pretrained import load_pretrained, resize_positional_embedding
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
-from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
+from clip_jax.optim.lock import LockSpec, trainable_mask
+from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training.config import check_config, default_config
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 TINY_48 = {**TINY, "vision_cfg": {**TINY["vision_cfg"], "image_size": 48}}
 

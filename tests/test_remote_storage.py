@@ -2,9 +2,9 @@
 compared with the same run on local disk; keep-N, half-written steps, the report CLI and the errors a user meets.
 gs:// cannot be served locally: its choices are checked without network."""
 
+import glob
 import importlib.util
 import json
-import glob
 import os
 import socket
 import subprocess
@@ -15,15 +15,15 @@ import boto3
 import jax
 import numpy as np
 import pytest
+from trainer_run import tiny_config
 
-from clip_jax import report as report_lib
-from clip_jax import storage
-from clip_jax import train as train_lib
-from clip_jax.checkpoint import RunCheckpoints, latest_complete_step, read_params, resolve_resume
-from clip_jax.config import check_config
 from clip_jax.data import make_shards
 from clip_jax.errors import MissingInput, RunFailed
-from trainer_run import tiny_config
+from clip_jax.ops import report as report_lib
+from clip_jax.runtime import storage
+from clip_jax.runtime.checkpoints import RunCheckpoints, latest_complete_step, read_params, resolve_resume
+from clip_jax.training import trainer as train_lib
+from clip_jax.training.config import check_config
 
 BUCKET = "clip-runs"
 STOP_AT = 10  # the stopped run saves here; 16 steps in all, a checkpoint every 4, the newest 2 kept

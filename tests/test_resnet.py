@@ -11,8 +11,8 @@ import open_clip
 import pytest
 import torch
 
-from clip_jax import convert
 from clip_jax.errors import InvalidInput
+from clip_jax.interop import convert
 from clip_jax.models import count_params, create_model, get_model_config, init_variables, list_models, param_shapes
 from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
 
@@ -242,7 +242,7 @@ def test_train_mode_batch_statistics_equal_open_clips(tiny_torch):
 
 
 def test_loading_params_alone_refuses_a_resnet_model(tmp_path):
-    from clip_jax import pretrained
+    from clip_jax.interop import pretrained
 
     with pytest.raises(InvalidInput, match="load_pretrained_variables"):  # its BatchNorm statistics would be lost
         pretrained.load_pretrained(str(tmp_path), "RN50")

@@ -12,18 +12,18 @@ import open_clip
 import pytest
 import torch
 from safetensors.numpy import load_file
+from trainer_run import losses, tiny_config
 
 import clip_jax
-from clip_jax import convert, export, similarity, zeroshot
-from clip_jax import train as train_lib
-from clip_jax.checkpoint import read_params, read_variables
 from clip_jax.data import make_shards
 from clip_jax.errors import InvalidInput
-from clip_jax.evaluation import ShardedEncoder
+from clip_jax.evaluation import ShardedEncoder, zeroshot
+from clip_jax.interop import convert, export, similarity
+from clip_jax.interop.pretrained import load_pretrained, load_pretrained_variables
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
-from clip_jax.pretrained import load_pretrained, load_pretrained_variables
-from trainer_run import losses, tiny_config
+from clip_jax.runtime.checkpoints import read_params, read_variables
+from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training import trainer as train_lib
 
 # 32 px (the 28 px shards are cropped up to it), one block a stage: a 1x1 grid at the attention pool.
 RUN_RN = {

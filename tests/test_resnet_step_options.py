@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from clip_jax.config import default_config
-from clip_jax.errors import InvalidInput
-from clip_jax.lock import LockSpec
-from clip_jax.models import create_model, init_variables
-from clip_jax.optim import LOGIT_SCALE_MAX
-from clip_jax.parallel import make_global_batch
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, lock_spec, mesh_for
 from tiny_model import assert_same_update
+
+from clip_jax.errors import InvalidInput
+from clip_jax.models import create_model, init_variables
+from clip_jax.optim.adamw import LOGIT_SCALE_MAX
+from clip_jax.optim.lock import LockSpec
+from clip_jax.runtime.mesh import make_global_batch
+from clip_jax.training.config import default_config
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, lock_spec, mesh_for
 
 # Width 16, so the last stage's kernels (1x1x128x512, 3x3x128x128) and the attention pool's projections exceed
 # FSDP's minimum size and are split over the 8 devices; one block a stage and a 1x1 grid keep compiles short.

@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from clip_jax import convert
-from clip_jax.checkpoint import CheckpointMeta, RunCheckpoints
-from clip_jax.errors import InvalidInput
-from clip_jax.models import create_model, init_variables
-from clip_jax.optim import LOGIT_SCALE_MAX, decay_mask
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import StepSpec, build_step
 from tiny_model import SGD, SGD_LR, assert_same_update
+
+from clip_jax.errors import InvalidInput
+from clip_jax.interop import convert
+from clip_jax.models import create_model, init_variables
+from clip_jax.optim.adamw import LOGIT_SCALE_MAX, decay_mask
+from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import StepSpec, build_step
 
 # One block a stage and a 1x1 grid: the sharded step compiles in seconds
 TINY_STEP = {

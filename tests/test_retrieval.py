@@ -9,15 +9,15 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 
-from clip_jax import convert, zeroshot
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
-from clip_jax.evaluation import evaluate_retrieval, load_retrieval_set, retrieval_recall
+from clip_jax.evaluation import evaluate_retrieval, load_retrieval_set, retrieval_recall, zeroshot
 from clip_jax.evaluation.retrieval import first_images
+from clip_jax.interop import convert
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
-from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
+from clip_jax.runtime.mesh import create_mesh
 
 KS = (1, 2, 5, 10)
 

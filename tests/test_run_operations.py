@@ -10,17 +10,17 @@ import os
 import re
 
 import pytest
-from PIL import Image
-
-from clip_jax import report as report_lib
-from clip_jax import train as train_lib
-from clip_jax.config import check_config
-from clip_jax.data import make_shards
-from clip_jax.device_telemetry import Telemetry
-from clip_jax.errors import InvalidInput
 from fake_nvml import fake_nvml
+from PIL import Image
 from trainer_run import tiny_config
 from wandb_offline import offline_runs
+
+from clip_jax.data import make_shards
+from clip_jax.errors import InvalidInput
+from clip_jax.ops import report as report_lib
+from clip_jax.ops.device_telemetry import Telemetry
+from clip_jax.training import trainer as train_lib
+from clip_jax.training.config import check_config
 
 GPUS = [dict(util=81, used=20e9, total=80e9, temp=55, power=300_000)] * 2
 

@@ -12,22 +12,22 @@ import open_clip
 import pytest
 import torch
 from jax.sharding import Mesh
-
-from clip_jax import convert
-from clip_jax.config import check_config, default_config
-from clip_jax.evaluation import ClassificationSet, evaluate_zeroshot
-from clip_jax.evaluation.datasets import ArraySource
-from clip_jax.evaluation.prompts import class_prompts
-from clip_jax.loss import contrastive_loss_and_accuracy, sigmoid_loss_and_accuracy
-from clip_jax.models import create_model, get_model_config, init_params
-from clip_jax.optim import decay_mask
-from clip_jax.parallel import create_mesh, make_global_batch
-from clip_jax.step_factory import StepSpec, build_step
-from clip_jax.train_step import make_train_step
 from open_clip_reference import TINY as OPEN_CLIP_TINY
 from open_clip_reference import open_clip_model, random_inputs, state_dict_numpy
 from tiny_model import SGD, SGD_LR, assert_same_update, random_batch
 from tiny_model import TINY_MODEL as TINY
+
+from clip_jax.evaluation import ClassificationSet, evaluate_zeroshot
+from clip_jax.evaluation.datasets import ArraySource
+from clip_jax.evaluation.prompts import class_prompts
+from clip_jax.interop import convert
+from clip_jax.models import create_model, get_model_config, init_params
+from clip_jax.optim.adamw import decay_mask
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.config import check_config, default_config
+from clip_jax.training.loss import contrastive_loss_and_accuracy, sigmoid_loss_and_accuracy
+from clip_jax.training.step_factory import StepSpec, build_step
+from clip_jax.training.train_step import make_train_step
 
 SIGLIP_TINY = {**TINY, "init_logit_scale": math.log(10), "init_logit_bias": -10.0}
 

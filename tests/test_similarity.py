@@ -5,9 +5,9 @@ import json
 import jax
 import numpy as np
 
-from clip_jax import similarity
-from clip_jax.convert import save_params
 from clip_jax.data import fashion_mnist
+from clip_jax.interop import similarity
+from clip_jax.interop.convert import save_params
 from clip_jax.models import create_model, init_params
 
 TINY_REAL_VOCAB = {

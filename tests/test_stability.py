@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from clip_jax.stability import InstabilityMonitor
+from clip_jax.training.stability import InstabilityMonitor
 
 
 def feed(monitor, steps):

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from clip_jax import train as train_lib
-from clip_jax.data import make_shards
-from clip_jax.stability import InstabilityMonitor
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 from trainer_run import tiny_config
+
+from clip_jax.data import make_shards
+from clip_jax.training import trainer as train_lib
+from clip_jax.training.stability import InstabilityMonitor
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 
 B2, EPS = 0.98, 1e-6
 
@@ -158,7 +158,7 @@ def test_telemetry_of_normalised_attention_blocks(tiny_model_config, option):
     reports its largest per-head attention factor, exp of the clamped learned scale, computed here from the
     perturbed parameter itself."""
     from clip_jax.models.clip import create_model, dummy_inputs
-    from clip_jax.telemetry import step_telemetry
+    from clip_jax.training.spike_telemetry import step_telemetry
 
     config = {**tiny_model_config, **{tower: {**tiny_model_config[tower], option: True}
                                       for tower in ("vision_cfg", "text_cfg")}}  # the fixture is shared

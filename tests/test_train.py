@@ -14,15 +14,15 @@ import time
 import jax
 import numpy as np
 import pytest
-
-from clip_jax import train as train_lib
-from clip_jax import zeroshot
-from clip_jax.config import check_config
-from clip_jax.data import make_shards
-from clip_jax.metrics import MetricsWindow
-from clip_jax.parallel import batch_sharding, create_mesh, replicated
-from clip_jax.step_reads import local_values
 from trainer_run import losses, tiny_config
+
+from clip_jax.data import make_shards
+from clip_jax.evaluation import zeroshot
+from clip_jax.ops.writers import MetricsWindow
+from clip_jax.runtime.mesh import batch_sharding, create_mesh, replicated
+from clip_jax.training import trainer as train_lib
+from clip_jax.training.config import check_config
+from clip_jax.training.step_reads import local_values
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,13 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tiny_model import SGD, SGD_LR, assert_same_update
 
 from clip_jax.models import create_model, init_params, param_shapes
-from clip_jax.parallel import (batch_sharding, create_mesh, fsdp_data_size, fsdp_leaf_spec, fsdp_spec,
-                               make_global_batch)
-from clip_jax.step_factory import OptimizerSpec, StepSpec, build_step
-from clip_jax.train_step import TrainState, merge_micro_batches, split_micro_batches
-from tiny_model import SGD, SGD_LR, assert_same_update
+from clip_jax.runtime.mesh import (
+    batch_sharding,
+    create_mesh,
+    fsdp_data_size,
+    fsdp_leaf_spec,
+    fsdp_spec,
+    make_global_batch,
+)
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
+from clip_jax.training.train_step import TrainState, merge_micro_batches, split_micro_batches
 
 GLOBAL_BATCH = 32
 

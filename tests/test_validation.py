@@ -12,7 +12,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import tokenize_for
 from clip_jax.evaluation.validation import first_caption_rows, open_validation_set, pair_loss, validate
 from clip_jax.models import create_model, init_params
-from clip_jax.parallel import create_mesh
+from clip_jax.runtime.mesh import create_mesh
 
 NUM_IMAGES = 40
 

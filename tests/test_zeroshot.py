@@ -14,9 +14,9 @@ import open_clip
 import pytest
 import torch
 import torchvision
+from open_clip_reference import TINY, TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 
-from clip_jax import convert, zeroshot
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import (
     ClassificationSet,
@@ -29,13 +29,14 @@ from clip_jax.evaluation import (
     label_ranks,
     open_classification_set,
     templates,
+    zeroshot,
     zeroshot_logits,
 )
-from clip_jax.evaluation.sources import ArraySource
 from clip_jax.evaluation.prompts import class_prompts
+from clip_jax.evaluation.sources import ArraySource
+from clip_jax.interop import convert
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
-from open_clip_reference import TINY, TINY_77, open_clip_model, state_dict_numpy
+from clip_jax.runtime.mesh import create_mesh
 
 SOME_CLASSES = ["tench", "great white shark", "potter's wheel", "Dungeness crab", "T-shirt", "missile",
                 "ping-pong ball"]
@@ -219,8 +220,8 @@ def test_accuracy_counts_every_image_once_with_padding_and_small_class_counts(me
     assert set(metrics) == {"top1", "num_images"}  # top-5 of 4 classes is not reported
     assert metrics["num_images"] == 37
 
-    from clip_jax.evaluation.batches import eval_image
     from clip_jax.data.transforms import normalize
+    from clip_jax.evaluation.batches import eval_image
 
     batch = normalize(np.stack([eval_image(x, 32) for x in images]), OPENAI_MEAN, OPENAI_STD)
     features = np.asarray(jax.jit(model.apply, static_argnames="method")({"params": params}, batch,
@@ -249,10 +250,10 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, params_path, model_json = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-from clip_jax.convert import load_params
+from clip_jax.interop.convert import load_params
 from clip_jax.evaluation import demo_set, evaluate_zeroshot
 from clip_jax.models import create_model
-from clip_jax.parallel import create_mesh
+from clip_jax.runtime.mesh import create_mesh
 metrics = evaluate_zeroshot(create_model(model_json), load_params(params_path), demo_set().head(33), create_mesh(),
                             batch_size=16, num_threads=2, text_batch_size=200)
 print("METRICS " + json.dumps(metrics))

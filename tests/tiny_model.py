@@ -4,7 +4,7 @@ by the step tests (tests/conftest.py hands the model and batch out as fixtures t
 import jax
 import numpy as np
 
-from clip_jax.step_factory import OptimizerSpec
+from clip_jax.training.step_factory import OptimizerSpec
 
 # Two layers a tower and a vocabulary of 1,000, so a sharded step compiles in seconds. (The OpenCLIP parity tests
 # use their own, with more heads, in open_clip_reference.py.)

@@ -4,7 +4,7 @@ logs: shared by the tests that run the trainer in one process and in several."""
 import json
 import os
 
-from clip_jax.config import default_config
+from clip_jax.training.config import default_config
 
 
 def tiny_config(data, logs, **overrides):

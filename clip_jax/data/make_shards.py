@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from clip_jax import ownership
 from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.runtime import ownership
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes

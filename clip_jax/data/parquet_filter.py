@@ -12,9 +12,9 @@ import collections
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from clip_jax import ownership
 from clip_jax.data import filters
 from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.runtime import ownership
 
 
 @dataclasses.dataclass

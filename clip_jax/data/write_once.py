@@ -6,7 +6,7 @@ complete last; the others wait for the lock, then find the set complete and writ
 leaves no marker for its unfinished part, so the next run writes the set again (and removes the killed writer's
 temporary folder).
 
-Only a folder that is new, empty or holds nothing but what clip_jax wrote there (:mod:`clip_jax.ownership`) is
+Only a folder that is new, empty or holds nothing but what clip_jax wrote there (:mod:`clip_jax.runtime.ownership`) is
 written: any other file in it stops the writer before it creates anything, with one line naming the files.
 
 The lock is ``flock`` on ``FOLDER/.clip_jax.lock``: it holds between the processes of one machine (and on file
@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
-from clip_jax import ownership
+from clip_jax.runtime import ownership
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-from clip_jax import ownership
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import metrics as metrics_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.clip_benchmark import BenchmarkDataset
 from clip_jax.evaluation.retrieval import evaluate_retrieval
+from clip_jax.runtime import ownership
 
 RECORD_FIELDS = ("dataset", "model", "pretrained", "task", "language")
 

@@ -25,7 +25,7 @@ from clip_jax.evaluation.classifier import classifier_from_tokens, prompt_tokens
 from clip_jax.evaluation.datasets import ClassificationSet
 from clip_jax.evaluation.encoder import ShardedEncoder, replicate, round_up
 from clip_jax.evaluation.metrics import label_ranks
-from clip_jax.parallel import make_global_batch, replicated
+from clip_jax.runtime.mesh import make_global_batch, replicated
 
 
 def process_share(num_items: int, process_index: int, process_count: int) -> int:

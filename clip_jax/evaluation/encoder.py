@@ -12,7 +12,6 @@ their running statistics (eval mode). Either form is accepted for a ViT.
 """
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -22,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.models.config import is_resnet
-from clip_jax.parallel import batch_sharding, replicated
+from clip_jax.models.variables import as_variables
+from clip_jax.runtime.mesh import batch_sharding, replicated
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -37,22 +37,6 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         return jax.make_array_from_callback(leaf.shape, replicated(mesh), lambda index: leaf[index])
 
     return jax.tree.map(place, tree)
-
-
-def as_variables(weights) -> dict:
-    """`weights` (a params tree, or variables with a `params` collection) as the variables `model.apply` takes. A
-    CLIP params tree never has a top-level `params` key, so the two cannot be confused."""
-    return dict(weights) if isinstance(weights, Mapping) and "params" in weights else {"params": weights}
-
-
-def params_of(weights) -> dict:
-    """The params of `weights` (a params tree or variables): what holds `logit_scale`, `logit_bias`."""
-    return as_variables(weights)["params"]
-
-
-def eval_variables(params, batch_stats=None) -> Any:
-    """What evaluation takes of a train state: its params, with its BatchNorm statistics when it has them."""
-    return params if batch_stats is None else {"params": params, "batch_stats": batch_stats}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -87,7 +71,8 @@ class ShardedEncoder:
         if is_resnet(self.model.config) and "batch_stats" not in as_variables(params):
             raise InvalidInput(f"{self.model.config.name}: a ResNet image tower evaluates with its BatchNorm running "
                                "statistics: give the variables {'params': ..., 'batch_stats': ...} (e.g. "
-                               "clip_jax.checkpoint.read_variables, clip_jax.pretrained.load_pretrained_variables), "
+                               "clip_jax.runtime.checkpoints.read_variables, "
+                               "clip_jax.interop.pretrained.load_pretrained_variables), "
                                "not its params alone")
         return replicate(params, self.mesh)
 

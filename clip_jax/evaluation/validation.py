@@ -16,10 +16,11 @@ from jax.sharding import Mesh
 
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import tokenize_for
-from clip_jax.evaluation.encoder import ShardedEncoder, params_of, round_up
+from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.retrieval import encode_retrieval_images, first_images
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set
+from clip_jax.models.variables import params_of
 
 
 def open_validation_set(pattern: str, num_samples: int = 0) -> RetrievalSet:
@@ -72,7 +73,7 @@ def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: in
              text_batch_size: int = 1024, loss: str | None = None) -> dict[str, float]:
     """`loss`, `image_to_text_recall@k`, `text_to_image_recall@k`, `num_images` of `params` on `val_set`.
     `params` may be as a trainer holds them (e.g. FSDP-sharded; a ResNet image tower's with its batch_stats, see
-    `encoder.eval_variables`); every process gets the same numbers. `loss`: the
+    `models.variables.eval_variables`); every process gets the same numbers. `loss`: the
     run's ("clip": softmax, "siglip": sigmoid with the params' logit_bias); None: sigmoid when the params have a
     logit_bias."""
     encoder = ShardedEncoder(model, mesh)

@@ -1,9 +1,26 @@
 """OpenCLIP-identical CLIP models in Flax linen."""
 
-from clip_jax.models.clip import (CLIP, count_params, create_model, dummy_inputs, init_params, init_variables,
-                                  l2_normalize, param_shapes)
-from clip_jax.models.config import (BlockConfig, CLIPConfig, ResNetVisionConfig, TextConfig, VisionConfig,
-                                    get_model_config, is_resnet, list_models, open_clip_model_cfg)
+from clip_jax.models.clip import (
+                                  CLIP,
+                                  count_params,
+                                  create_model,
+                                  dummy_inputs,
+                                  init_params,
+                                  init_variables,
+                                  l2_normalize,
+                                  param_shapes,
+)
+from clip_jax.models.config import (
+                                  BlockConfig,
+                                  CLIPConfig,
+                                  ResNetVisionConfig,
+                                  TextConfig,
+                                  VisionConfig,
+                                  get_model_config,
+                                  is_resnet,
+                                  list_models,
+                                  open_clip_model_cfg,
+)
 from clip_jax.models.layers import remat_policy_names
 
 __all__ = [

@@ -15,7 +15,6 @@ from typing import Any
 
 from clip_jax.errors import InvalidInput, MissingInput
 
-
 GELU_APPROXIMATIONS = ("none", "tanh")  # torch's nn.GELU(approximate=...), what OpenCLIP's act_kwargs can set
 BLOCK_TYPES = (None, "default", "custom")
 VISION_POOL_TYPES = ("tok", "avg")
@@ -248,6 +247,22 @@ class CLIPConfig:
         towers = (self.text,) if is_resnet(self.vision) else (self.vision, self.text)
         if self.quick_gelu and any(t.block.gelu_approximate != "none" for t in towers):
             raise InvalidInput(f"{self.name}: act_kwargs with quick_gelu: OpenCLIP's QuickGELU takes no arguments")
+
+
+# OpenCLIP's --siglip head: what a model trained with the sigmoid loss starts from when it has no logit_bias of its own.
+SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10), -10.0
+
+
+def with_siglip_head(config: CLIPConfig) -> CLIPConfig:
+    """`config` for the sigmoid loss: OpenCLIP's --siglip head (scale ln 10, bias -10) unless it has a logit_bias."""
+    if config.init_logit_bias is not None:
+        return config
+    return dataclasses.replace(config, init_logit_scale=SIGLIP_INIT_LOGIT_SCALE, init_logit_bias=SIGLIP_INIT_LOGIT_BIAS)
+
+
+def with_patch_dropout(config: CLIPConfig, rate: float) -> CLIPConfig:
+    """`config` whose image tower drops `rate` of its patches in training (checked by `VisionConfig`)."""
+    return dataclasses.replace(config, vision=dataclasses.replace(config.vision, patch_dropout=float(rate)))
 
 
 # OpenCLIP's model-config JSON, as in open_clip/model_configs/*.json (architecture fields only).

@@ -8,8 +8,8 @@ Measured and modelled, as the output labels them:
 - parameters: counted from the parameter tree;
 - memory per device: XLA's memory analysis of the train step `clip_jax.train` runs, compiled for the planned number
   of devices with abstract inputs, so nothing is allocated. With jaxlib's CUDA plugin installed (`.[gpu]`) XLA:GPU
-  compiles it for the planned GPU and topology without a GPU (`clip_jax.xla_gpu`; on an H200 its figures were within
-  8% of the allocator's peak); otherwise XLA:CPU does, over one simulated device per GPU, whose fusions and
+  compiles it for the planned GPU and topology without a GPU (`clip_jax.runtime.xla_gpu`; on an H200 its figures were
+  within 8% of the allocator's peak); otherwise XLA:CPU does, over one simulated device per GPU, whose fusions and
   attention (no cuDNN) differ: an estimate that runs far higher (23.2 against 13.5 GiB for the reference step);
 - the largest per-device batch: bisection on that compiled memory;
 - with XLA:GPU, the collectives of the step (count and bytes per device, loop trips counted) and cuDNN's fused
@@ -20,15 +20,20 @@ Measured and modelled, as the output labels them:
 - data loading: the input pipeline's measured rate per CPU core;
 - time, GPU-hours and cost: arithmetic on the above.
 
-The modules, in the order a plan is made: `steps` (the trainer's step, compiled through `clip_jax.step_factory`),
-`memory` (XLA's memory analysis and the searches over it), `flops` (XLA's FLOPs with every scanned block counted),
-`cost` (the speed model, the run's length, other GPUs), `planner` (`plan`, which returns a `Plan` of `result`'s
-frozen values), `report` (the text and the JSON), and `__main__` (the command line).
+The modules, in the order a plan is made: `steps` (the trainer's step, compiled through
+`clip_jax.training.step_factory`), `memory` (XLA's memory analysis and the searches over it), `flops` (XLA's FLOPs with
+every scanned block counted), `cost` (the speed model, the run's length, other GPUs), `planner` (`plan`, which returns a
+`Plan` of `result`'s frozen values), `report` (the text and the JSON), and `__main__` (the command line).
 """
 
 from clip_jax.plan.flops import FlopsPerSample, flops_per_sample
-from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, batch_bytes_per_device, largest_fitting_batch,
-                                  state_bytes_per_device)
+from clip_jax.plan.memory import (
+                                  BatchDoesNotFit,
+                                  StepMemory,
+                                  batch_bytes_per_device,
+                                  largest_fitting_batch,
+                                  state_bytes_per_device,
+)
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, plan
 from clip_jax.plan.report import format_plan, plan_json
 from clip_jax.plan.result import Plan

@@ -4,12 +4,13 @@ import sys
 
 import jax
 
-from clip_jax import cli, xla_gpu
+from clip_jax import cli
 from clip_jax.errors import InvalidInput, UserError
-from clip_jax.hardware import GPUS
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
 from clip_jax.plan.report import format_plan, plan_json
+from clip_jax.runtime import xla_gpu
+from clip_jax.runtime.hardware import GPUS
 
 
 def usage_error(message: str) -> None:

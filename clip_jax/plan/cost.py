@@ -4,10 +4,10 @@ Speed is not measured here (no GPU runs anything): samples/s = MFU x peak FLOP/s
 clip_jax's own measured MFU where there is one and the published reference run's otherwise.
 """
 
-from clip_jax.hardware import GPU, GPUS, get_gpu
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.plan.result import GpuRow, RunLength
+from clip_jax.runtime.hardware import GPU, GPUS, get_gpu
 
 # OpenCLIP's ViT-L/14 LAION-2B run: 72.6 samples/s per A100-40GB (27,862 on 384). Without a measurement of our own,
 # the default MFU is the model FLOP rate that run reached, as a fraction of the A100's peak for the planned precision.

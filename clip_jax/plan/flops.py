@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from clip_jax.models import CLIPConfig, is_resnet
 from clip_jax.models.flops import forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import Transformer
+from clip_jax.models.precision import get_policy
 from clip_jax.plan.steps import compile_train_step
-from clip_jax.precision import get_policy
-from clip_jax.step_factory import StepSpec, build_step
+from clip_jax.training.step_factory import StepSpec, build_step
 
 TOWERS = ("image", "text")
 

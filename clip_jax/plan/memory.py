@@ -10,7 +10,7 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig
-from clip_jax.step_factory import StepSpec, build_step
+from clip_jax.training.step_factory import StepSpec, build_step
 
 
 class BatchDoesNotFit(InvalidInput):

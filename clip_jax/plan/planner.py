@@ -6,21 +6,28 @@ from collections.abc import Callable
 
 import jax
 
-from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
-from clip_jax.hardware import get_gpu
 from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
-from clip_jax.parallel import create_mesh
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
 from clip_jax.plan.flops import flops_per_sample
-from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
-                                  largest_fitting_batch, memory_savers, smallest_accum, state_bytes_per_device)
+from clip_jax.plan.memory import (
+    BatchDoesNotFit,
+    StepMemory,
+    affine_fit,
+    batch_bytes_per_device,
+    largest_fitting_batch,
+    memory_savers,
+    smallest_accum,
+    state_bytes_per_device,
+)
 from clip_jax.plan.report import size
-from clip_jax.plan.result import (DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram,
-                                  Throughput)
+from clip_jax.plan.result import DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram, Throughput
 from clip_jax.plan.steps import CompiledSteps, planned_spec
-from clip_jax.step_factory import StepSpec, mesh_for
+from clip_jax.runtime import xla_gpu
+from clip_jax.runtime.hardware import get_gpu
+from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training.step_factory import StepSpec, mesh_for
 
 # The fraction of GPU memory JAX may take: launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to the same (JAX's own
 # default is 0.75); plan with the fraction the run will have.

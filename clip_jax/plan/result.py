@@ -7,7 +7,7 @@ here changes what machines read. `Plan.from_dict` reads such JSON back (a saved 
 import dataclasses
 
 from clip_jax.plan.flops import FlopsPerSample
-from clip_jax.xla_gpu import Collectives
+from clip_jax.runtime.xla_gpu import Collectives
 
 
 @dataclasses.dataclass(frozen=True)

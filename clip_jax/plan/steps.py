@@ -1,14 +1,14 @@
 """What the planner compiles: the trainer's own step, from the step factory, for the planned devices.
 
-Every figure the planner measures comes from these compiles, so they go through `clip_jax.step_factory` and nothing
-else: the step planned is the step trained.
+Every figure the planner measures comes from these compiles, so they go through `clip_jax.training.step_factory` and
+nothing else: the step planned is the step trained.
 """
 
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from clip_jax.step_factory import StepSpec, build_step
+from clip_jax.training.step_factory import StepSpec, build_step
 
 
 def planned_spec(config, compiler: str = "cpu") -> StepSpec:

@@ -11,7 +11,7 @@ Names that begin with `.clip_jax` (the manifest, locks, staging folders) are cli
 directory written before manifests existed is recognised by its `config.json` (a clip_jax run config): the entries
 a run writes count as clip_jax's there.
 
-Folders may be local or on a bucket (`clip_jax.storage`). One process writes a folder's manifest at a time: the
+Folders may be local or on a bucket (`clip_jax.runtime.storage`). One process writes a folder's manifest at a time: the
 shard writers that several processes call hold the folder's lock, and a run's manifest is written by process 0.
 """
 
@@ -19,8 +19,8 @@ import json
 import os
 from collections.abc import Iterable
 
-from clip_jax import storage
 from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.runtime import storage
 
 MANIFEST = ".clip_jax-written"
 OWN_PREFIX = ".clip_jax"  # names clip_jax's by their name: the manifest, locks, staging folders

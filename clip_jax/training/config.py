@@ -9,10 +9,10 @@ import os
 
 import ml_collections
 
-from clip_jax import storage
+from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, UserError
-from clip_jax.loss import LOSSES
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.runtime import storage
+from clip_jax.training.loss import LOSSES
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
@@ -61,7 +61,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Optimisation. batch_size is per device, as in OpenCLIP (per GPU).
     c.batch_size = 64
     c.accum_freq = 1
-    # adamw | stable_adamw: AdamW whose per-tensor step shrinks when RMS(g / sqrt(v)) > 1 (clip_jax.stable_adamw)
+    # adamw | stable_adamw: AdamW whose per-tensor step shrinks when RMS(g / sqrt(v)) > 1 (clip_jax.optim.stable_adamw)
     c.opt = "adamw"
     c.epochs = 32
     c.lr = 5e-4
@@ -130,7 +130,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.log_every_n_steps = 100
     c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
     # Per-block gradient and update RMS, Adam's RMS ratio, the last blocks' q/k weight norms: computed on every
-    # log_every_n_steps-th step only, written with the other metrics (clip_jax.telemetry)
+    # log_every_n_steps-th step only, written with the other metrics (clip_jax.training.spike_telemetry)
     c.spike_telemetry = True
 
     # Operating a long run: telemetry, validation during training, Weights & Biases.
@@ -280,7 +280,7 @@ def report_to_problems(c) -> list[str]:
         return [f"report_to={c.report_to!r}: {', '.join(map(repr, unknown))} unknown; give 'none' or any of "
                 f"{REPORT_TO} joined by ','"]
     if "wandb" in targets:
-        from clip_jax.wandb_report import project_problem
+        from clip_jax.ops.wandb_writer import project_problem
 
         problem = project_problem(c.wandb_project)
         if problem:

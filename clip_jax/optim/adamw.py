@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from clip_jax.errors import InvalidInput
-from clip_jax.parallel import LAYER_STACK_KEY, path_names
-from clip_jax.stable_adamw import stable_adamw
+from clip_jax.optim.stable_adamw import stable_adamw
+from clip_jax.runtime.mesh import LAYER_STACK_KEY, path_names
 
 LOGIT_SCALE_MAX = math.log(100.0)
 
@@ -70,7 +70,7 @@ def create_optimizer(
     stable: bool = False,
 ) -> optax.GradientTransformation:
     """Global-norm clipping (when `grad_clip_norm` is set) followed by AdamW with OpenCLIP's decay mask, or by
-    StableAdamW (`stable`: AdamW with the per-tensor update clipping of `clip_jax.stable_adamw`).
+    StableAdamW (`stable`: AdamW with the per-tensor update clipping of `clip_jax.optim.stable_adamw`).
 
     The state has the same structure with or without clipping, so a run can resume with either.
     """

@@ -17,8 +17,8 @@ whole or not at all, as OpenCLIP's `ModifiedResNet.lock` allows: `image_unlocked
 BatchNorm statistics are not params, so locking alone leaves them to the BatchNorm's mode, as OpenCLIP's `--lock-image`
 does: train mode, normalising with the batch's statistics and updating the running ones. `image_freeze_bn_stats`
 (OpenCLIP's `--lock-image-freeze-bn-stats`) runs the locked tower's BatchNorm in eval mode instead
-(`clip_jax.train_step`): normalised with the running statistics, which stay as they are. A ViT has no BatchNorm, and
-the flag changes nothing there.
+(`clip_jax.training.train_step`): normalised with the running statistics, which stay as they are. A ViT has no
+BatchNorm, and the flag changes nothing there.
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from clip_jax.errors import InvalidInput
-from clip_jax.parallel import LAYER_STACK_KEY, path_names
+from clip_jax.runtime.mesh import LAYER_STACK_KEY, path_names
 
 _TEXT_EMBEDDINGS = ("token_embedding", "positional_embedding")
 _TEXT_TOWER = _TEXT_EMBEDDINGS + ("transformer", "ln_final", "text_projection")

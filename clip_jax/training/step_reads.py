@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from clip_jax.metrics import MetricsWindow
+from clip_jax.ops.writers import MetricsWindow
 
 
 def local_values(tree):

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from clip_jax.models.layers import LOGIT_SCALE_MAX as ATTN_LOGIT_SCALE_MAX
-from clip_jax.parallel import LAYER_STACK_KEY, path_names
+from clip_jax.runtime.mesh import LAYER_STACK_KEY, path_names
 
 TEXT_TOWER_ROOT = "transformer"  # OpenCLIP's text blocks live at the top level: transformer.resblocks
 
@@ -79,7 +79,7 @@ def step_telemetry(grads, updates, new_opt_state, new_params, *, b2: float,
     adam = find_adam_state(new_opt_state)
     if adam is not None:
         bias_correction = 1 - b2 ** adam.count.astype(jnp.float32)
-        # Matched by path: a locked tower (clip_jax.lock) has no moments, its leaves are absent from `nu`.
+        # Matched by path: a locked tower (clip_jax.optim.lock) has no moments, its leaves are absent from `nu`.
         nu = {jax.tree_util.keystr(path): v for path, v in jax.tree_util.tree_flatten_with_path(adam.nu)[0]}
         ratios = [(path, _square(g) / jnp.maximum(nu[key].astype(jnp.float32) / bias_correction, eps**2))
                   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]

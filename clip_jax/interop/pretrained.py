@@ -13,6 +13,7 @@ another image size is resized (bicubic, antialiased, class token kept), and a mo
 checkpoint lacks gets it as 0. Anything else that differs is refused, naming the keys and shapes.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,14 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.models.config import CLIPConfig, config_from_open_clip, get_model_config, is_resnet
+from clip_jax.models.config import (
+    CLIPConfig,
+    config_from_open_clip,
+    get_model_config,
+    is_resnet,
+    with_patch_dropout,
+    with_siglip_head,
+)
 
 EXPORT_CONFIG = "open_clip_config.json"
 EXPORT_WEIGHTS = "open_clip_model.safetensors"
@@ -30,6 +38,28 @@ _FOLDER_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safet
                    "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin", "pytorch_model.pth",
                    "model.pth")
 RUN_CONFIG = "config.json"  # the training config the trainer writes into its run directory
+
+
+def model_at_image_size(config) -> CLIPConfig:
+    """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
+    pretrained weights for another size get their positional embedding resized on load)."""
+    model = get_model_config(config.model)
+    size = config.get("force_image_size") or 0
+    if size:
+        model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, image_size=int(size)))
+    return model
+
+
+def run_model_config(config) -> CLIPConfig:
+    """The model a training config trains, as its step is built: at its image size, with OpenCLIP's --siglip head
+    for the sigmoid loss (unless the model has a logit_bias) and its `force_patch_dropout` (a ViT's)."""
+    model = model_at_image_size(config)
+    if config.get("loss", "clip") == "siglip":
+        model = with_siglip_head(model)
+    rate = config.get("force_patch_dropout")
+    if rate is not None and rate >= 0 and not is_resnet(model):
+        model = with_patch_dropout(model, rate)
+    return model
 
 
 def resize_positional_embedding(positional_embedding: np.ndarray, grid_size: int) -> np.ndarray:
@@ -59,7 +89,7 @@ def _fit(positional_embedding, logit_bias_missing: bool, config: CLIPConfig):
 
 
 def _fitted_state_dict(state_dict: dict, config: CLIPConfig) -> dict:
-    from clip_jax.convert import _strip_prefix
+    from clip_jax.interop.convert import _strip_prefix
 
     state_dict = _strip_prefix(state_dict)
     pos, bias = _fit(state_dict.get("visual.positional_embedding"), "logit_bias" not in state_dict, config)
@@ -158,7 +188,7 @@ def load_pretrained(path: str, name_or_config) -> dict:
 def load_pretrained_variables(path: str, name_or_config) -> dict:
     """Host variables of the model `name_or_config` from `path` (see the module docstring): `{"params": ...}`, and
     `"batch_stats"` (BatchNorm's running statistics) for a ResNet image tower; what `model.apply` takes."""
-    from clip_jax.convert import _is_clip_jax, _unflatten, read_arrays, variables_from_open_clip
+    from clip_jax.interop.convert import _is_clip_jax, _unflatten, read_arrays, variables_from_open_clip
 
     config = get_model_config(name_or_config)
     path = os.fspath(path)
@@ -168,7 +198,7 @@ def load_pretrained_variables(path: str, name_or_config) -> dict:
         read_export_config(path)  # an exported folder is whole: its config says how to preprocess
         weights = export_weights_file(path)
     elif os.path.isdir(path):
-        from clip_jax.checkpoint import CheckpointNotFoundError, read_variables
+        from clip_jax.runtime.checkpoints import CheckpointNotFoundError, read_variables
 
         try:
             variables = read_variables(path)
@@ -194,7 +224,7 @@ def _fitted_variables(variables: dict, config: CLIPConfig) -> dict:
 
 
 def _checked_variables(variables: dict, config: CLIPConfig, where: str) -> dict:
-    from clip_jax.convert import variables_to_open_clip
+    from clip_jax.interop.convert import variables_to_open_clip
 
     if not is_resnet(config) and set(variables) != {"params"}:
         raise InvalidInput(f"pretrained weights {where} hold {sorted(set(variables) - {'params'})} besides params: "

@@ -1,7 +1,7 @@
 """XLA:GPU without a GPU: compile for a cluster of GPUs on any machine, and read the compiled step.
 
 jaxlib's CUDA plugin (`pip install -e '.[gpu]'`) compiles for GPUs it is only told about: a target config (the
-device properties of `clip_jax.hardware.GpuTarget`) and a topology (nodes x GPUs per node) give compile-only
+device properties of `clip_jax.runtime.hardware.GpuTarget`) and a topology (nodes x GPUs per node) give compile-only
 devices to build a mesh over; `jit(...).lower(abstract inputs)` then compiles as on the cluster. What such a
 compile says is XLA:GPU's own: memory per device (its memory analysis; cuDNN's attention keeps no score matrix),
 the collectives it emits, the kernels it calls. It cannot time anything, and its cost analysis is empty.
@@ -19,7 +19,7 @@ import os
 import re
 
 from clip_jax.errors import InvalidInput, RunFailed
-from clip_jax.hardware import GPU
+from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}

@@ -2,7 +2,7 @@
 
 One mesh axis, `"data"`, spans every device of every process. The batch is split over it; with FSDP the
 parameters and optimizer state are split over the same axis (ZeRO-3 style) and gathered where used, one layer at
-a time (`clip_jax.train_step.make_forward`).
+a time (`clip_jax.training.train_step.make_forward`).
 
 FSDP splits a leaf along a dimension that the device count divides. Where a large leaf has none (ViT-L/14's 1024
 and 4096 on 384 GPUs), the mesh becomes a grid of two axes, `("replica", "data")` (3 x 128 there): the batch, and

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from clip_jax import storage
 from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.runtime import storage
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
 _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 LOCAL_DIR = "local-dir:"
 
@@ -52,7 +52,7 @@ def _rgb(image):
 
 def saved_preprocessing(pretrained: str | None) -> dict:
     """The mean/std (and, for a folder, interpolation and resize mode) the pretrained weights were trained with."""
-    from clip_jax.pretrained import is_export_folder, read_export_config, read_run_config, run_directory
+    from clip_jax.interop.pretrained import is_export_folder, read_export_config, read_run_config, run_directory
 
     if pretrained is None or not os.path.isdir(pretrained):
         return {}
@@ -71,14 +71,14 @@ def saved_preprocessing(pretrained: str | None) -> dict:
 
 def pretrained_model_config(pretrained: str | None):
     """The model an exported folder or a run holds (at the image size the run trained at)."""
-    from clip_jax.pretrained import export_model_config, is_export_folder, read_run_config, run_directory
+    from clip_jax.interop.pretrained import export_model_config, is_export_folder, read_run_config, run_directory
 
     if pretrained is not None and is_export_folder(pretrained):
         return export_model_config(pretrained)
     if pretrained is not None and os.path.isdir(pretrained) and run_directory(pretrained) is not None:
-        from clip_jax.export import run_model_config
+        from clip_jax.interop.export import trained_model
 
-        return run_model_config(read_run_config(pretrained))
+        return trained_model(read_run_config(pretrained))
     raise InvalidInput(f"{pretrained!r} is neither an exported model folder nor a clip_jax run, so it does not say "
                        "which model it holds: name the model")
 
@@ -92,16 +92,16 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
     `name_or_config` None: the model an exported folder or a run given as `pretrained` holds (a run's at the image
     size it trained at; a model named here instead gets the weights fitted to its own size, as OpenCLIP does).
 
-    `pretrained`: anything `clip_jax.pretrained.load_pretrained` reads (OpenCLIP checkpoint, exported folder,
+    `pretrained`: anything `clip_jax.interop.pretrained.load_pretrained` reads (OpenCLIP checkpoint, exported folder,
     clip_jax run or params file); None: freshly initialised params (`seed`). `image_mean` / `image_std` replace
     the pretrained weights' own. `dtype`: the compute dtype (default float32); params are float32.
     """
     import jax
     import jax.numpy as jnp
 
-    from clip_jax.evaluation.encoder import eval_variables
+    from clip_jax.interop.pretrained import export_model_config, load_pretrained_variables
     from clip_jax.models import create_model, get_model_config, init_variables
-    from clip_jax.pretrained import export_model_config, load_pretrained_variables
+    from clip_jax.models.variables import eval_variables
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
         folder = name_or_config[len(LOCAL_DIR):]
@@ -126,7 +126,7 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
 
 def get_tokenizer(name_or_config) -> Callable:
     """`tokenizer(texts) -> int32 [N, context_length]` for the model (OpenAI's BPE, the model's context length)."""
-    from clip_jax.pretrained import export_model_config
+    from clip_jax.interop.pretrained import export_model_config
     from clip_jax.tokenizer import tokenize
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from clip_jax.parallel import DATA_AXIS, batch_axes, data_parallel_size
+from clip_jax.runtime.mesh import DATA_AXIS, batch_axes, data_parallel_size
 
 
 def _local_rows(image_features, text_features, logit_scale, *, axes):
@@ -61,7 +61,7 @@ def _check_inputs(name: str, image_features, text_features, mesh: Mesh):
     if DATA_AXIS not in mesh.shape:
         raise ValueError(
             f"{name}: the mesh has axes {tuple(mesh.shape)}, not '{DATA_AXIS}'; build it with "
-            "clip_jax.parallel.create_mesh"
+            "clip_jax.runtime.mesh.create_mesh"
         )
     n_shards, batch = data_parallel_size(mesh), image_features.shape[0]
     if batch % n_shards:

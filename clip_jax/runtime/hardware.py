@@ -4,8 +4,8 @@ Peaks are the vendors' datasheet figures for dense tensor-core math (without spa
 `nvidia-smi` reports for the card (in MiB), which is what an allocator can ever see.
 
 `GpuTarget` holds what XLA:GPU's target config is made of (what `cudaGetDeviceProperties` reports, plus the
-memory bandwidth), so that `clip_jax.xla_gpu` can compile the train step for a GPU on a machine without one. Each
-target names its source: the CUDA programming guide's table of limits per compute capability (shared memory,
+memory bandwidth), so that `clip_jax.runtime.xla_gpu` can compile the train step for a GPU on a machine without
+one. Each target names its source: the CUDA programming guide's table of limits per compute capability (shared memory,
 threads, registers), the product's datasheet (multiprocessors, clock, L2, bandwidth), and for the H200 what was
 read off one (benchmarks/gpu_device_info.py, nvidia-smi).
 """

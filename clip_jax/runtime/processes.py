@@ -106,7 +106,7 @@ def initialize(group: ProcessGroup) -> None:
     aborts the process from C++ after `init_timeout`; the line printed beforehand then says which rank it was.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    print(f"clip_jax.distributed: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "
+    print(f"clip_jax.runtime.processes: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "
           f"fails the run after {group.heartbeat_timeout} s without heartbeat)", file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(

@@ -14,10 +14,16 @@ import time
 import jax
 import numpy as np
 
-from clip_jax.checkpoint import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta, resolve_resume,
-                                 saved_process_count)
-from clip_jax import ownership, storage
 from clip_jax.errors import InvalidInput
+from clip_jax.runtime import ownership, storage
+from clip_jax.runtime.checkpoints import (
+    CheckpointMeta,
+    data_iter_files,
+    latest_complete_step,
+    read_meta,
+    resolve_resume,
+    saved_process_count,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,12 +48,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clip_jax.loss import LOSSES
 from clip_jax.models.config import is_resnet
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
-from clip_jax.optim import clamp_logit_scale
-from clip_jax.parallel import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
-                               is_split, path_names, replicated)
+from clip_jax.optim.adamw import clamp_logit_scale
+from clip_jax.runtime.mesh import (
+    LAYER_STACK_KEY,
+    batch_axes,
+    batch_sharding,
+    data_parallel_size,
+    fsdp_leaf_spec,
+    is_split,
+    path_names,
+    replicated,
+)
+from clip_jax.training.loss import LOSSES
 
 
 class TrainState(NamedTuple):
@@ -269,19 +277,18 @@ def make_train_step(
     image_eval_mode: bool = False,
 ) -> Callable:
     """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
-    `clip_jax.step_factory.build_step`.
+    `clip_jax.training.step_factory.build_step`.
 
     `shardings`: the train state's shardings (split under `fsdp`, else replicated). `loss`: a name of
-    `clip_jax.loss.LOSSES`, "clip" (softmax) or "siglip" (sigmoid: the model needs a `logit_bias`). metrics: `loss`,
-    `accuracy` (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this
-    step), `logit_bias` (when the model has one),
-    `grad_norm` (global norm before clipping), `learning_rate` (of this update), `finite` (False when the update
-    was skipped for a non-finite loss or gradient).
+    `clip_jax.training.loss.LOSSES`, "clip" (softmax) or "siglip" (sigmoid: the model needs a `logit_bias`). metrics:
+    `loss`, `accuracy` (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in
+    this step), `logit_bias` (when the model has one), `grad_norm` (global norm before clipping), `learning_rate` (of
+    this update), `finite` (False when the update was skipped for a non-finite loss or gradient).
     `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
     seed, from which each step's kept patches are drawn. `freeze`: params -> params with the gradients into locked
-    params stopped (`clip_jax.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
+    params stopped (`clip_jax.optim.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
     `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics returned as
-    `metrics["telemetry"]` (`clip_jax.telemetry`: computed on logging steps only, zeros on the others).
+    `metrics["telemetry"]` (`clip_jax.training.spike_telemetry`: computed on logging steps only, zeros on the others).
     `image_eval_mode`: a ResNet image tower's BatchNorm normalises with its running statistics and leaves them as
     they are (a locked tower: see the module docstring); otherwise it runs in train mode.
     """

@@ -9,14 +9,13 @@ mesh, and the trainer, the planner, the benchmarks and the tests all run what it
     compiled = step.compile(per_device_batch=64)  # ahead of time from abstract inputs (XLA:GPU on GPU meshes)
 
 A spec is a frozen, hashable value: the planner keys its compiles on it and varies one field at a time with
-`dataclasses.replace`. The step function itself (`clip_jax.train_step.make_train_step`) stays pure; this module
+`dataclasses.replace`. The step function itself (`clip_jax.training.train_step.make_train_step`) stays pure; this module
 only assembles its parts: the model under the precision policy, remat and attention kernel; the optimizer and its
 learning-rate schedule; the train state's shapes and shardings (FSDP or replicated, said here explicitly, never
 guessed back from shardings).
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -26,22 +25,22 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from clip_jax import xla_gpu
 from clip_jax.errors import InvalidInput
-from clip_jax.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
-from clip_jax.loss import LOSSES
+from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
+from clip_jax.models.config import with_patch_dropout, with_siglip_head
 from clip_jax.models.layers import choose_attention_impl
-from clip_jax.optim import create_optimizer, warmup_cosine_schedule
-from clip_jax.parallel import batch_sharding, create_mesh, data_parallel_size, state_shardings
-from clip_jax.precision import get_policy
-from clip_jax.telemetry import every_n_steps, step_telemetry
-from clip_jax.train_step import TrainState, init_train_state, make_forward, make_train_step
+from clip_jax.models.precision import get_policy
+from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
+from clip_jax.optim.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
+from clip_jax.runtime import xla_gpu
+from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_size, state_shardings
+from clip_jax.training.loss import LOSSES
+from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry
+from clip_jax.training.train_step import TrainState, init_train_state, make_forward, make_train_step
 
-# stable_adamw: clip_jax.stable_adamw; sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
+# stable_adamw: clip_jax.optim.stable_adamw; sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
 OPTIMIZERS = ("adamw", "stable_adamw", "sgd")
-# A model trained with the sigmoid loss and no logit_bias of its own gets OpenCLIP's --siglip head.
-SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10), -10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +94,8 @@ class StepSpec:
     # (OpenCLIP's --force-patch-dropout), so `model` holds the rate the step runs with, and FLOPs count it.
     patch_dropout: float | None = None
     seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
-    # Spike telemetry (clip_jax.telemetry) as metrics["telemetry"] on every this many steps (the trainer's logging
-    # steps); 0: off, no telemetry in the metrics
+    # Spike telemetry (clip_jax.training.spike_telemetry) as metrics["telemetry"] on every this many steps (the
+    # trainer's logging steps); 0: off, no telemetry in the metrics
     telemetry_every: int = 0
     # Locked towers (LiT, OpenCLIP's --lock-image / --lock-text): their params get no update and no optimizer state.
     lock: LockSpec = LockSpec()
@@ -110,9 +109,8 @@ class StepSpec:
                              "(resolve 'auto' with choose_attention_impl)")
         if self.loss not in LOSSES:
             raise InvalidInput(f"loss {self.loss!r}: choose one of {tuple(LOSSES)}")
-        if self.loss == "siglip" and self.model.init_logit_bias is None:
-            object.__setattr__(self, "model", dataclasses.replace(
-                self.model, init_logit_scale=SIGLIP_INIT_LOGIT_SCALE, init_logit_bias=SIGLIP_INIT_LOGIT_BIAS))
+        if self.loss == "siglip":
+            object.__setattr__(self, "model", with_siglip_head(self.model))
         if self.accum_steps < 1:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.telemetry_every < 0:
@@ -120,8 +118,7 @@ class StepSpec:
         if is_resnet(self.model):
             _check_resnet_step(self)
         if self.patch_dropout is not None and not is_resnet(self.model):  # a ResNet's is 0: refused above if not
-            vision = dataclasses.replace(self.model.vision, patch_dropout=float(self.patch_dropout))  # checks it
-            object.__setattr__(self, "model", dataclasses.replace(self.model, vision=vision))
+            object.__setattr__(self, "model", with_patch_dropout(self.model, self.patch_dropout))
 
     def _model_source(self):
         # A dict is not hashable, so a spec keeps the resolved CLIPConfig; a Mapping is read once, here.
@@ -137,7 +134,7 @@ class StepSpec:
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
         force_patch_dropout = config.get("force_patch_dropout")
-        return cls(model_at_image_size(config), precision,
+        return cls(run_model_config(config), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
@@ -170,16 +167,6 @@ def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.A
     """A freshly initialised train state: params, optimizer state and (a ResNet image tower) batch_stats."""
     variables = init_variables(model, rng)
     return init_train_state(variables["params"], optimizer, variables.get("batch_stats"))
-
-
-def model_at_image_size(config) -> CLIPConfig:
-    """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
-    pretrained weights for another size get their positional embedding resized on load)."""
-    model = get_model_config(config.model)
-    size = config.get("force_image_size") or 0
-    if size:
-        model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, image_size=int(size)))
-    return model
 
 
 def lock_spec(config) -> LockSpec:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clip_jax.parallel import LAYER_STACK_KEY, path_names
+from clip_jax.runtime.mesh import LAYER_STACK_KEY, path_names
 
 
 def is_stacked(path) -> bool:

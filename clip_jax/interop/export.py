@@ -1,0 +1,127 @@
+"""Export a model as the folder OpenCLIP loads: `python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
+
+    python -m clip_jax.export logs/my-run exported/        # the run's newest checkpoint
+    python -m clip_jax.export logs/my-run exported/ --step 4000
+    python -m clip_jax.export open_clip_pytorch_model.bin exported/ --model ViT-L-14 --mean 0.5 0.5 0.5 \\
+        --std 0.5 0.5 0.5
+
+OUT_DIR gets `open_clip_config.json` (`model_cfg`: the architecture in OpenCLIP's model-config format;
+`preprocess_cfg`: mean, std, interpolation, resize mode and image size) and `open_clip_model.safetensors` (the
+OpenCLIP state_dict, float32). Then `open_clip.create_model_and_transforms("local-dir:OUT_DIR")` builds the model
+with its weights and the preprocessing the run trained with, and clip_jax takes OUT_DIR wherever it takes a
+checkpoint. From a run, the model and the mean/std come from the run's `config.json`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.interop.pretrained import (
+    EXPORT_CONFIG,
+    EXPORT_WEIGHTS,
+    is_export_folder,
+    load_pretrained_variables,
+    read_run_config,
+    run_directory,
+    run_model_config,
+)
+from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
+from clip_jax.runtime import ownership
+
+# What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
+INTERPOLATION, RESIZE_MODE = "bicubic", "shortest"
+
+
+def preprocess_cfg(image_size: int, mean, std) -> dict:
+    return {"size": int(image_size), "mode": "RGB", "mean": [float(x) for x in mean], "std": [float(x) for x in std],
+            "interpolation": INTERPOLATION, "resize_mode": RESIZE_MODE}
+
+
+def trained_model(run_config) -> CLIPConfig:
+    """The model a run trained (`pretrained.run_model_config`), its model config file named when it is gone."""
+    try:
+        return run_model_config(run_config)
+    except MissingInput as e:
+        raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
+
+
+def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> None:
+    """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed; other files in it are
+    left alone, and its two files are refused when clip_jax did not write them). A ResNet image tower's
+    are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
+    and num_batches_tracked."""
+    from clip_jax.interop.convert import variables_to_open_clip, write_open_clip
+    from clip_jax.models.variables import as_variables
+
+    state_dict = variables_to_open_clip(as_variables(params), model)
+    ownership.claim(out_dir, [EXPORT_WEIGHTS, EXPORT_CONFIG], writing="the export",
+                    change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
+    write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
+    config = {"model_cfg": open_clip_model_cfg(model),
+              "preprocess_cfg": preprocess_cfg(model.vision.image_size, mean, std)}
+    with open(os.path.join(out_dir, EXPORT_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
+def export(source: str, out_dir: str, *, model=None, step: int | None = None, mean=None, std=None) -> CLIPConfig:
+    """Exports `source` (a run directory or checkpoint, an OpenCLIP or clip_jax weights file, or an exported folder)
+    to `out_dir`; returns the exported model's config. `model`, `mean`, `std` replace what the run says (and are
+    needed for a bare weights file: without them, OpenAI's mean and std)."""
+    if not os.path.exists(source):
+        raise MissingInput(f"{source} does not exist")
+    run_dir = run_directory(source) if os.path.isdir(source) and not is_export_folder(source) else None
+    if run_dir is not None:
+        run_config = read_run_config(run_dir)
+        config = get_model_config(model) if model is not None else trained_model(run_config)
+        mean = run_config.image_mean if mean is None else mean
+        std = run_config.image_std if std is None else std
+        if step is not None:
+            source = os.path.join(run_dir, "checkpoints", str(step))
+            if not os.path.isdir(source):
+                raise MissingInput(f"no checkpoint of step {step}: {source} does not exist")
+    elif os.path.isdir(source) and is_export_folder(source):
+        from clip_jax.interop.pretrained import export_model_config, read_export_config
+
+        config = get_model_config(model) if model is not None else export_model_config(source)
+        saved = read_export_config(source)[1]
+        mean = saved.get("mean", OPENAI_MEAN) if mean is None else mean
+        std = saved.get("std", OPENAI_STD) if std is None else std
+    else:
+        if step is not None:
+            raise InvalidInput(f"--step names a checkpoint of a run; {source} is not a run directory")
+        if model is None:
+            raise InvalidInput(f"{source} is not a clip_jax run: give its model with --model (e.g. ViT-L-14)")
+        config = get_model_config(model)
+    mean, std = tuple(OPENAI_MEAN if mean is None else mean), tuple(OPENAI_STD if std is None else std)
+    if len(mean) != 3 or len(std) != 3:
+        raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
+    export_open_clip(load_pretrained_variables(source, config), config, out_dir, mean=mean, std=std)
+    return config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clip_jax.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="run directory, its checkpoints/STEP folder, an OpenCLIP checkpoint or "
+                        "clip_jax params file, or an exported folder")
+    parser.add_argument("out_dir", help="folder to write open_clip_config.json and open_clip_model.safetensors to")
+    parser.add_argument("--step", type=int, help="the run's checkpoint of this step (default: the newest)")
+    parser.add_argument("--model", help="model name or OpenCLIP model-config .json (default: the run's)")
+    parser.add_argument("--mean", type=float, nargs=3, help="image mean (default: the run's)")
+    parser.add_argument("--std", type=float, nargs=3, help="image std (default: the run's)")
+    args = parser.parse_args(argv)
+    try:
+        config = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean, std=args.std)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.source} ({config.name}, {config.vision.image_size} px) to {args.out_dir}: load it with "
+          f"open_clip.create_model_and_transforms('local-dir:{args.out_dir}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

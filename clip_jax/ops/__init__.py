@@ -1,0 +1,1 @@
+"""Operating a run: metrics writers (TensorBoard, the progress line), W&B, device telemetry, the run report."""

@@ -1,0 +1,148 @@
+"""Plots of a run: `python -m clip_jax.report RUN_DIR [--output PNG]`.
+
+Reads the run's `metrics.jsonl` and writes one PNG (default `RUN_DIR/report.png`) with a panel per quantity over
+steps: loss (train and validation), learning rate, logit scale, zero-shot accuracy, validation recall, throughput
+and MFU. A panel whose quantity the run never logged is left out. Prints a summary table: for each quantity its
+first, last, minimum and maximum value and the step of the last one. RUN_DIR may be a bucket URL (`s3://...`,
+`gs://...`); the default PNG then goes there too. Needs matplotlib (`pip install 'clipjax-train[report]'`).
+"""
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.runtime import ownership, storage
+
+# (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
+PANELS = (
+    ("loss", ("loss", "val_loss")),
+    ("learning rate", ("learning_rate",)),
+    ("logit scale", ("logit_scale",)),
+    ("zero-shot accuracy", ("zeroshot_*",)),
+    ("validation recall", ("val_*recall*",)),
+    ("samples / s", ("samples_per_sec",)),
+    ("MFU", ("mfu",)),
+)
+
+
+def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every numeric metric of `RUN_DIR/metrics.jsonl` as (step, value) pairs in file order; a step logged again
+    after a resume replaces the earlier value."""
+    path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.isfile(path):
+        raise MissingInput(f"{path} does not exist: give a run directory the trainer wrote (LOGS/NAME)")
+    series: dict[str, dict[int, float]] = {}
+    with storage.open_file(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidInput(f"{path} line {number} is not JSON ({e})") from e
+            step = record.get("step")
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series.setdefault(key, {})[int(step)] = float(value)
+    if not series:
+        raise InvalidInput(f"{path} holds no metrics yet")
+    return {key: sorted(points.items()) for key, points in series.items()}
+
+
+def panel_series(series: dict, patterns: Sequence[str]) -> list[str]:
+    """The metrics of `series` one panel draws: those its names or shell patterns match, in that order."""
+    names = [name for pattern in patterns for name in sorted(series) if fnmatch.fnmatchcase(name, pattern)]
+    return list(dict.fromkeys(names))
+
+
+def summary_rows(series: dict, names: Sequence[str]) -> list[tuple[str, int, float, float, float, float]]:
+    """(name, last step, first, last, min, max) of each named metric that has a finite value."""
+    rows = []
+    for name in names:
+        values = [(s, v) for s, v in series.get(name, ()) if math.isfinite(v)]
+        if values:
+            only = [v for _, v in values]
+            rows.append((name, values[-1][0], only[0], only[-1], min(only), max(only)))
+    return rows
+
+
+def format_summary(rows) -> str:
+    width = max([6] + [len(r[0]) for r in rows])
+    lines = [f"{'metric':<{width}} {'step':>8} {'first':>12} {'last':>12} {'min':>12} {'max':>12}"]
+    lines += [f"{name:<{width}} {step:>8} {first:>12.6g} {last:>12.6g} {low:>12.6g} {high:>12.6g}"
+              for name, step, first, last, low, high in rows]
+    return "\n".join(lines)
+
+
+def write_png(series: dict, output: str, title: str) -> list[str]:
+    """Draws the panels that have data into `output`; returns the metric names drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    panels = [(t, panel_series(series, p)) for t, p in PANELS]
+    panels = [(t, names) for t, names in panels if names]
+    if not panels:
+        raise InvalidInput(f"nothing to plot yet: {title} has no logged metrics (only events or skipped steps)")
+    columns = 2
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)
+    drawn = []
+    for ax, (panel_title, names) in zip(axes.flat, panels):
+        for name in names:
+            steps, values = zip(*series[name])
+            ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=name)
+            drawn.append(name)
+        ax.set_title(panel_title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if panel_title == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        if len(names) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    ownership.claim_file(output, writing="the report", change="give another --output")
+    if not storage.is_remote(output):
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with storage.open_file(output, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
+    """Writes the PNG; returns (its path, the summary table)."""
+    if storage.is_remote(run_dir):
+        storage.check_location(run_dir, write=False)
+    series = read_metrics(run_dir)
+    output = output or storage.join(run_dir, "report.png")
+    drawn = write_png(series, output, storage.basename(run_dir))
+    return output, format_summary(summary_rows(series, drawn))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clip_jax.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a run directory (LOGS/NAME) holding metrics.jsonl")
+    parser.add_argument("--output", help="the PNG to write (default RUN_DIR/report.png)")
+    args = parser.parse_args(argv)
+    try:
+        output, table = report(args.run_dir, args.output)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Optimizers: AdamW with OpenCLIP's decay mask and schedule, StableAdamW, LiT tower locking."""
