@@ -13,7 +13,7 @@ import webdataset as wds
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.data import check, filters, shards, webdataset
+from clip_jax.data import check, filter_expression, filters, shards, webdataset
 from clip_jax.ops.writers import progress_line
 from clip_jax.training.config import check_config, default_config
 
@@ -69,7 +69,7 @@ def test_top_level_and_terms_are_the_rules_with_their_source_text():
     ("__import__('os') == 1", 11, "expected a comparison"),
 ])
 def test_a_bad_expression_names_the_column(expression, column, what):
-    with pytest.raises(filters.FilterSyntaxError, match=re.escape(f"at column {column}: {what}")):
+    with pytest.raises(filter_expression.FilterSyntaxError, match=re.escape(f"at column {column}: {what}")):
         filters.SampleFilter(expression)
 
 

@@ -224,14 +224,14 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
 
 def data_problems(c: ml_collections.ConfigDict) -> list[str]:
     """The data fields' mistakes: dataset type, filter expression (parsed here, before anything compiles), keys."""
-    from clip_jax.data import filters, pipeline
+    from clip_jax.data import filter_expression, filters, pipeline
 
     problems = []
     if c.dataset_type not in pipeline.DATASET_TYPES:
         problems.append(f"dataset_type={c.dataset_type!r}: choose one of {pipeline.DATASET_TYPES}")
     try:
         rules = filters.parse_rules(c.train_data_filter)
-    except filters.FilterSyntaxError as e:
+    except filter_expression.FilterSyntaxError as e:
         problems.append(f"train_data_filter: {e}")
     else:
         if rules and c.dataset_type != "webdataset":
