@@ -11,7 +11,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from clip_jax.data import pipeline, shards, tar_format, webdataset
+from clip_jax.data import pipeline, shards, skips, tar_dataset, tar_format, webdataset
 
 
 def _jpeg(rng, size=(20, 16), mode="RGB"):
@@ -122,7 +122,7 @@ def test_each_bad_sample_kind_is_skipped_and_counted_once(tmp_path, kind):
     assert [s.key for s in webdataset.iter_shard(path, skipped)] == ["000000000", "000000002"]
     assert skipped == {kind: 1}
     # The training stream (one shard, read in epochs) counts it once per pass over the shard.
-    it = iter(webdataset.TarShardDataset(shards.resolve_shards(path), resampled=False, shuffle_window=1))
+    it = iter(tar_dataset.TarShardDataset(shards.resolve_shards(path), resampled=False, shuffle_window=1))
     assert [next(it).key for _ in range(4)] == ["000000000", "000000002"] * 2
     assert it.get_state()["skipped"] == {kind: 2}
 
@@ -175,7 +175,7 @@ def test_unreadable_shard_is_logged_and_skipped(tmp_path, caplog):
     assert list(webdataset.iter_shard(missing, skipped)) == []
     assert skipped == {"unreadable_shard": 1}
     shard_list = shards.ShardList((good, missing, str(tmp_path / "dir.tar")), (1.0,) * 3, ("p",) * 3)
-    it = iter(webdataset.TarShardDataset(shard_list, resampled=True, shuffle_window=4, seed=5))
+    it = iter(tar_dataset.TarShardDataset(shard_list, resampled=True, shuffle_window=4, seed=5))
     assert len({next(it).key for _ in range(40)}) == 5  # training goes on with the readable shard
     assert it.get_state()["skipped"]["unreadable_shard"] >= 1
     assert "unreadable shard" in caplog.text
@@ -183,7 +183,7 @@ def test_unreadable_shard_is_logged_and_skipped(tmp_path, caplog):
 
 def test_only_bad_shards_is_a_clear_error(tmp_path):
     shard_list = shards.ShardList((str(tmp_path / "gone.tar"),), (1.0,), ("p",))
-    it = iter(webdataset.TarShardDataset(shard_list, resampled=True, shuffle_window=1))
+    it = iter(tar_dataset.TarShardDataset(shard_list, resampled=True, shuffle_window=1))
     with pytest.raises(RuntimeError, match="gave no usable sample.*unreadable_shard"):
         next(it)
 
@@ -197,12 +197,12 @@ def test_corrupt_images_are_counted_by_the_decoding_stage(tmp_path):
         ("000000002", {"png": _jpeg(rng)[:60], "txt": b"cut png"}),
         ("000000003", {"jpg": _jpeg(rng, mode="L"), "txt": b"grey"}),
     ])
-    raw = webdataset.TarShardDataset(shards.resolve_shards(path), resampled=False, shuffle_window=1)
+    raw = tar_dataset.TarShardDataset(shards.resolve_shards(path), resampled=False, shuffle_window=1)
     it = iter(pipeline.DecodedDataset(raw, image_size=8, train=True))
     first, second = next(it), next(it)
     assert (first["caption"], second["caption"]) == ("good", "grey")
     assert second["image"].shape == (8, 8, 3) and second["image"].dtype == np.uint8
-    assert pipeline.skip_counts(it) == {"corrupt_image": 2}
+    assert skips.skip_counts(it) == {"corrupt_image": 2}
 
 
 def _stream_shards(tmp_path, num_shards=5, per_shard=23):
@@ -218,7 +218,7 @@ def _stream_shards(tmp_path, num_shards=5, per_shard=23):
 @pytest.mark.parametrize("resampled", [True, False])
 def test_raw_stream_resumes_exactly_from_any_position(tmp_path, resampled):
     shard_list = _stream_shards(tmp_path)
-    ds = webdataset.TarShardDataset(shard_list, resampled=resampled, seed=11, shuffle_window=10, shards_in_flight=3)
+    ds = tar_dataset.TarShardDataset(shard_list, resampled=resampled, seed=11, shuffle_window=10, shards_in_flight=3)
     it = iter(ds)
     reference = [next(it).key for _ in range(150)]
     for stop in (0, 1, 9, 10, 11, 57, 100):
@@ -233,7 +233,7 @@ def test_raw_stream_resumes_exactly_from_any_position(tmp_path, resampled):
 
 def test_epoch_mode_reads_every_sample_once_per_epoch(tmp_path):
     shard_list = _stream_shards(tmp_path, num_shards=4, per_shard=17)
-    it = iter(webdataset.TarShardDataset(shard_list, resampled=False, seed=2, shuffle_window=1, shards_in_flight=3))
+    it = iter(tar_dataset.TarShardDataset(shard_list, resampled=False, seed=2, shuffle_window=1, shards_in_flight=3))
     epoch0 = [next(it).key for _ in range(68)]
     epoch1 = [next(it).key for _ in range(68)]
     assert len(set(epoch0)) == 68 and set(epoch0) == set(epoch1)
@@ -250,7 +250,7 @@ def test_fsspec_urls_are_streamed_and_resumed(tmp_path):
         fs.pipe(f"/remote/{s}.tar", local.read_bytes())
     shard_list = shards.resolve_shards("memory://remote/{0..1}.tar")
     assert [s.caption for s in webdataset.iter_shard(shard_list.urls[1])][:2] == ["1-0", "1-1"]
-    ds = webdataset.TarShardDataset(shard_list, resampled=False, shuffle_window=4, shards_in_flight=2)
+    ds = tar_dataset.TarShardDataset(shard_list, resampled=False, shuffle_window=4, shards_in_flight=2)
     it = iter(ds)
     reference = [next(it).caption for _ in range(80)]
     assert sorted(reference[:60]) == sorted(f"{s}-{i}" for s in range(2) for i in range(30))
@@ -269,7 +269,7 @@ def test_resampled_stream_respects_source_weights(tmp_path):
             _write_tarwriter(str(tmp_path / source / f"{s}.tar"),
                              [(f"{s}{i}", {"jpg": b"i", "txt": source.encode()}) for i in range(5)])
     shard_list = shards.resolve_shards(f"{tmp_path}/a/{{0..3}}.tar::{tmp_path}/b/{{0..3}}.tar", "1::3")
-    it = iter(webdataset.TarShardDataset(shard_list, resampled=True, seed=1, shuffle_window=50, shards_in_flight=2))
+    it = iter(tar_dataset.TarShardDataset(shard_list, resampled=True, seed=1, shuffle_window=50, shards_in_flight=2))
     captions = [next(it).caption for _ in range(4000)]
     # 800 shard draws, each from source b with probability 3/4: standard deviation of the share ~0.015.
     assert abs(captions.count("b") / 4000 - 0.75) < 0.05

@@ -36,9 +36,11 @@ same time) and returns the pattern of Fashion-MNIST shards; a run config asks fo
 zero-shot evaluation (``clip_jax.evaluation.demo_set``). Eval sources and batches live in ``clip_jax.evaluation``.
 
 Modules: ``shards`` (patterns, weights, draw order), ``tar_format`` (streaming tar reader), ``webdataset`` (raw
-samples from shards, skip reasons), ``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the
-Grain pipeline and its config), ``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once``
-(a folder of files written by one of the processes that ask for it). Tools: ``python -m
+samples from a shard's members), ``tar_dataset`` (the Grain dataset over tar shards), ``skips`` (skip reasons and
+their counts), ``filter_expression`` and ``filters`` (the filter language, and the filter that applies it),
+``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the Grain pipeline and its config),
+``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once`` (a folder of files written by one
+of the processes that ask for it). Tools: ``python -m
 clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 
@@ -49,10 +51,10 @@ from clip_jax.data.pipeline import (
     build_train_iterator,
     count_samples,
     resolve_train_shards,
-    skip_scalars,
     steps_per_epoch,
 )
 from clip_jax.data.shards import ShardList, ShardPatternError, expand_braces, resolve_shards
+from clip_jax.data.skips import skip_scalars
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 
 __all__ = [

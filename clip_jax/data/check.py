@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from clip_jax.data import filters, transforms, webdataset
+from clip_jax.data import filters, skips, transforms, webdataset
 from clip_jax.data import shards as shards_lib
 from clip_jax.errors import UserError
 from clip_jax.runtime import ownership
@@ -142,7 +142,7 @@ def check_shard(url: str, context_length: int = 77, decode: bool = True,
         if decode:
             info = _image_info(sample.image)
             if info is None:
-                report.skipped[webdataset.CORRUPT_IMAGE] += 1
+                report.skipped[skips.CORRUPT_IMAGE] += 1
                 continue
             sizes.append(info[:2])
             report.greyscale += info[2]
@@ -154,8 +154,7 @@ def check_shard(url: str, context_length: int = 77, decode: bool = True,
         report.heights.add(sizes[:, 1])
         report.shorter_sides.add(sizes.min(axis=1))
     report.skipped.update(shard_skips)
-    if any(shard_skips[r] for r in (webdataset.UNREADABLE_SHARD, webdataset.TRUNCATED_SHARD,
-                                    webdataset.CORRUPT_SHARD)):
+    if any(shard_skips[r] for r in (skips.UNREADABLE_SHARD, skips.TRUNCATED_SHARD, skips.CORRUPT_SHARD)):
         report.bad_shards.append(url)
     if captions:
         tokens, truncated = tokenize(captions, context_length=context_length, return_truncated=True)
@@ -173,7 +172,7 @@ def summary(report: Report, context_length: int) -> str:
         f"shards            {report.shards:,} read, {len(report.bad_shards):,} bad (unreadable/truncated/corrupt)",
         f"samples           {report.samples:,} good, {skipped:,} skipped",
     ]
-    for reason in webdataset.SKIP_REASONS:
+    for reason in skips.SKIP_REASONS:
         if report.skipped[reason]:
             lines.append(f"  {reason:<16}{report.skipped[reason]:,}")
     lines += filter_lines(report.skipped, report.rules_alone)

@@ -19,7 +19,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from clip_jax.data import filters, webdataset
+from clip_jax.data import filters, skips, webdataset
 from clip_jax.errors import InvalidInput, MissingInput
 
 
@@ -129,15 +129,15 @@ class CsvIterator(grain.DatasetIterator):
         ds = self._ds
         caption = ds.table.captions[row]
         if not caption.strip():
-            return webdataset.EMPTY_CAPTION, None
+            return skips.EMPTY_CAPTION, None
         path = ds.table.images[row]
         try:
             with open(path, "rb") as f:
                 image = f.read()
         except OSError:
-            return webdataset.MISSING_IMAGE, None
+            return skips.MISSING_IMAGE, None
         if not image:
-            return webdataset.EMPTY_IMAGE, None
+            return skips.EMPTY_IMAGE, None
         if ds.sample_filter is not None:
             reason = ds.sample_filter.check(None, image, caption)
             if reason is not None:

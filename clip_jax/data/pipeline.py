@@ -15,14 +15,13 @@ import dataclasses
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
-from clip_jax.data import csv_source, filters, synthetic, transforms, webdataset
+from clip_jax.data import csv_source, filters, skips, synthetic, tar_dataset, transforms, webdataset
 from clip_jax.data import shards as shards_lib
 from clip_jax.errors import InvalidInput
 
@@ -175,11 +174,11 @@ class DecodedIterator(grain.DatasetIterator):
                 image = transforms.decode_rgb(sample.image, ds.max_pixels)
             except transforms.TooManyPixels as e:
                 log.debug("skipping %s in %s: %s", sample.key, sample.shard, e)
-                self.skipped[webdataset.TOO_MANY_PIXELS] += 1
+                self.skipped[skips.TOO_MANY_PIXELS] += 1
                 continue
             except transforms.ImageDecodeError as e:
                 log.debug("skipping %s in %s: %s", sample.key, sample.shard, e)
-                self.skipped[webdataset.CORRUPT_IMAGE] += 1
+                self.skipped[skips.CORRUPT_IMAGE] += 1
                 continue
             if ds.train:
                 rng = np.random.Generator(np.random.Philox(key=[ds.seed % 2**64, sample.stream],
@@ -271,7 +270,7 @@ def build_train_dataset(
         return _decode_batch_prefetch(ds, cfg, batch_size, image_size, mean, std, context_length, tokenize)
     if cfg.weights is not None and not cfg.resampled:
         raise InvalidInput("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
-    ds = webdataset.TarShardDataset(
+    ds = tar_dataset.TarShardDataset(
         shard_list, resampled=cfg.resampled, seed=cfg.seed, process_index=process_index,
         process_count=process_count, shuffle_window=cfg.shuffle_window, shards_in_flight=cfg.shards_in_flight,
         sample_format=cfg.sample_format,
@@ -337,45 +336,10 @@ class TrainIterator(grain.DatasetIterator):
 
         Data workers keep their counters in their own processes; the iterator state is what carries them back.
         """
-        return skip_counts(self.get_state())
+        return skips.skip_counts(self.get_state())
 
     def __str__(self) -> str:
         return f"TrainIterator({self._parent})"
-
-
-def skip_counts(state_or_iterator: Any) -> dict[str, int]:
-    """Skip counters by reason, summed over every ``"skipped"`` mapping of an iterator state (or an iterator's)."""
-    state = state_or_iterator.get_state() if hasattr(state_or_iterator, "get_state") else state_or_iterator
-    if isinstance(state, (bytes, str)):
-        state = json.loads(state)
-    totals: collections.Counter = collections.Counter()
-
-    def visit(node: Any) -> None:
-        if isinstance(node, Mapping):
-            for key, value in node.items():
-                if key == "skipped" and isinstance(value, Mapping):
-                    totals.update({k: int(v) for k, v in value.items()})
-                else:
-                    visit(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                visit(value)
-
-    visit(state)
-    return {reason: totals[reason] for reason in sorted(totals) if totals[reason]}
-
-
-def skip_scalars(counts: Mapping[str, int]) -> dict[str, int]:
-    """Metrics from :func:`skip_counts`: totals of bad (``skipped_samples``) and filtered (``filtered_samples``)
-    samples, and one ``skipped/REASON`` or ``filtered/RULE`` scalar per reason (names made tag-safe)."""
-    out = {"skipped_samples": 0, "filtered_samples": 0}
-    for reason, count in counts.items():
-        filtered = reason.startswith(filters.PREFIX)
-        name = reason.removeprefix(filters.PREFIX)
-        out["filtered_samples" if filtered else "skipped_samples"] += count
-        tag = ("filtered/" if filtered else "skipped/") + re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
-        out[tag] = out.get(tag, 0) + count
-    return out
 
 
 def count_samples(shard_list: shards_lib.ShardList) -> int | None:
