@@ -12,7 +12,7 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.data import pipeline, transforms
+from clip_jax.data import train_config, transforms
 from clip_jax.training.config import check_config, default_config
 
 MEAN, STD = (0.48, 0.45, 0.40), (0.27, 0.26, 0.28)
@@ -84,7 +84,7 @@ class _Queue:
 def test_train_augment_equals_open_clips_transform_given_the_same_draws(aug, monkeypatch):
     """OpenCLIP's train transform with its random draws replaced by ours gives the same normalised pixels."""
     reference = open_clip.image_transform(32, is_train=True, mean=MEAN, std=STD, aug_cfg=aug)
-    augment = pipeline.augment_from_config(aug)
+    augment = train_config.augment_from_config(aug)
     jitter_used = grey_used = 0
     for seed in range(12):
         image = _photo(seed, size=(50 + seed * 7, 40 + seed * 3))
@@ -220,7 +220,7 @@ def test_timm_path_equals_open_clips_timm_transform_given_the_same_draws(aug, mo
     import timm.data.transforms
 
     reference = open_clip.image_transform(24, is_train=True, mean=MEAN, std=STD, aug_cfg=aug)
-    augment = pipeline.augment_from_config(aug)
+    augment = train_config.augment_from_config(aug)
     erased = 0
     for seed in range(16):
         image = _photo(seed, size=(40 + seed * 5, 60 - seed * 2))

@@ -38,23 +38,18 @@ zero-shot evaluation (``clip_jax.evaluation.demo_set``). Eval sources and batche
 Modules: ``shards`` (patterns, weights, draw order), ``tar_format`` (streaming tar reader), ``webdataset`` (raw
 samples from a shard's members), ``tar_dataset`` (the Grain dataset over tar shards), ``skips`` (skip reasons and
 their counts), ``filter_expression`` and ``filters`` (the filter language, and the filter that applies it),
-``transforms`` (decode, OpenCLIP train/eval transforms), ``pipeline`` (the Grain pipeline and its config),
-``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once`` (a folder of files written by one
-of the processes that ask for it). Tools: ``python -m
+``transforms`` (decode, OpenCLIP train/eval transforms), ``train_config`` (the data config and the run's resolved
+shards), ``epochs`` (samples and steps per epoch), ``pipeline`` (the Grain pipeline: decode, batch, the
+iterator), ``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once`` (a folder of files
+written by one of the processes that ask for it). Tools: ``python -m
 clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 
-from clip_jax.data.pipeline import (
-    TrainDataConfig,
-    TrainIterator,
-    build_train_dataset,
-    build_train_iterator,
-    count_samples,
-    resolve_train_shards,
-    steps_per_epoch,
-)
+from clip_jax.data.epochs import count_samples, steps_per_epoch
+from clip_jax.data.pipeline import TrainIterator, build_train_dataset, build_train_iterator
 from clip_jax.data.shards import ShardList, ShardPatternError, expand_braces, resolve_shards
 from clip_jax.data.skips import skip_scalars
+from clip_jax.data.train_config import TrainDataConfig, resolve_train_shards
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 
 __all__ = [

@@ -1,146 +1,31 @@
-"""The training input pipeline: shards -> raw samples -> decode + augment -> batches of images and tokens.
+"""The training input pipeline: raw samples -> decode + augment -> batches of images and tokens, per process.
 
-A run's data comes from its config in three calls: ``TrainDataConfig.from_run_config(config)``, then
-``resolve_train_shards`` (once: the same shard list feeds ``steps_per_epoch`` and the pipeline), then
-``build_train_iterator``, whose :class:`TrainIterator` yields, per process,
+A run's data comes from its config in three calls: ``TrainDataConfig.from_run_config(config)`` and
+``resolve_train_shards`` (:mod:`clip_jax.data.train_config`; once: the same shard list feeds
+:func:`~clip_jax.data.epochs.steps_per_epoch` and the pipeline), then :func:`build_train_iterator`, whose
+:class:`TrainIterator` yields, per process,
 ``{"images": float32 [B_proc, S, S, 3] (normalised), "tokens": int32 [B_proc, context_length]}`` forever, reports
 ``skipped_samples()``, and resumes exactly through ``get_state()``/``set_state()`` (Orbax saves it with
-``grain.checkpoint.CheckpointSave``).
+``grain.checkpoint.CheckpointSave``). Raw samples come from :mod:`clip_jax.data.tar_dataset` (webdataset shards),
+:mod:`clip_jax.data.csv_source` or :mod:`clip_jax.data.synthetic` (whole batches).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
-from clip_jax.data import csv_source, filters, skips, synthetic, tar_dataset, transforms, webdataset
-from clip_jax.data import shards as shards_lib
+from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset
+from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainDataConfig:
-    """What a run config says about its data; :meth:`from_run_config` reads it from one."""
-
-    shards: str  # e.g. "/data/laion2B-en/{00000..23295}.tar", sources joined with "::"
-    weights: str | None = None  # per-source draw weights "1::2" (resampled mode)
-    resampled: bool = True  # draw shards with replacement (else: every shard once per epoch)
-    train_num_samples: int | None = None  # virtual epoch size (None: counted from *_stats.json when present)
-    seed: int = 0
-    workers: int = 0  # data worker processes per training process (0: read in the training process)
-    shuffle_window: int = 1000  # samples shuffled together, per worker
-    shards_in_flight: int = 4  # shards read in turn, per worker
-    prefetch_batches: int = 2  # batches buffered per worker
-    check_shards_exist: bool = True
-    make_from: str | None = None  # "fashion-mnist": write the shards when missing (make_shards.write_missing_shards)
-    dataset_type: str = "webdataset"  # webdataset | csv (shards: the csv file) | synthetic (random batches)
-    sample_filter: filters.SampleFilter | None = None  # which samples are kept (filters.py)
-    image_keys: str = "jpg;png;jpeg;webp"  # webdataset image extensions, in preference order
-    caption_key: str = "txt"  # webdataset caption: an extension, or "json:FIELD"
-    max_image_pixels: int | None = None  # images declaring more pixels are skipped (too_many_pixels)
-    csv_img_key: str = "filepath"
-    csv_caption_key: str = "title"
-    csv_separator: str = "\t"
-    augment: transforms.TrainAugment = transforms.TrainAugment()  # OpenCLIP's aug_cfg (augment_from_config)
-
-    def __post_init__(self):
-        if self.dataset_type not in DATASET_TYPES:
-            raise InvalidInput(f"dataset_type={self.dataset_type!r}: choose one of {DATASET_TYPES}")
-        if self.sample_filter is not None and self.sample_filter.rules and self.dataset_type != "webdataset":
-            raise InvalidInput("train_data_filter reads each sample's .json, which only webdataset shards have; "
-                               f"a {self.dataset_type} run takes train_data_min_image_size and "
-                               "train_data_min_caption_chars only")
-
-    @property
-    def sample_format(self) -> webdataset.SampleFormat:
-        return webdataset.SampleFormat.parse(self.image_keys, self.caption_key, self.sample_filter)
-
-    @classmethod
-    def from_run_config(cls, config: Any, *, seed: int | None = None) -> "TrainDataConfig":
-        """The data part of a run config (``clip_jax.training.config``); ``seed`` replaces ``config.seed`` (the data
-        seed of a run resumed without its data position)."""
-        return cls(
-            shards=config.train_data, weights=config.train_data_upsampling_factors or None,
-            resampled=config.dataset_resampled, train_num_samples=config.train_num_samples or None,
-            seed=config.seed if seed is None else seed, workers=config.workers, shuffle_window=config.shuffle_window,
-            make_from=config.make_train_data or None, dataset_type=config.dataset_type,
-            sample_filter=filters.SampleFilter.from_run_config(config), image_keys=config.train_data_image_key,
-            caption_key=config.train_data_caption_key, max_image_pixels=config.max_image_pixels or None,
-            csv_img_key=config.csv_img_key, csv_caption_key=config.csv_caption_key,
-            csv_separator=config.csv_separator, augment=augment_from_config(config.aug_cfg))
-
-
-DATASET_TYPES = ("webdataset", "csv", "synthetic")
-AUG_CFG_KEYS = ("scale", "color_jitter", "color_jitter_prob", "gray_scale_prob")  # OpenCLIP's, without timm
-AUG_CFG_TIMM_KEYS = ("use_timm", "scale", "ratio", "re_prob", "re_count")  # with use_timm: timm's transform
-
-
-def augment_from_config(aug_cfg: Mapping[str, Any]) -> transforms.TrainAugment:
-    """OpenCLIP's ``aug_cfg`` as a :class:`~clip_jax.data.transforms.TrainAugment`.
-
-    Without ``use_timm``: ``scale``, ``color_jitter`` (4 values) with ``color_jitter_prob``, ``gray_scale_prob``.
-    With ``use_timm`` (timm's transform, as OpenCLIP builds it: no flip, no jitter, bicubic): ``scale``, ``ratio``,
-    ``re_prob``, ``re_count``. A key OpenCLIP would not apply in that mode, or one not implemented here (timm's colour
-    jitter), is refused by name. Zero / empty values are the defaults, as an unset key in OpenCLIP.
-    """
-    use_timm = bool(aug_cfg.get("use_timm", False))
-    allowed = AUG_CFG_TIMM_KEYS if use_timm else AUG_CFG_KEYS + ("use_timm",)
-    given = {k for k, v in aug_cfg.items() if k in ("scale", "use_timm") or (v is not None and _set(v))}
-    unknown = sorted(given - set(allowed))
-    if unknown:
-        mode = "with use_timm" if use_timm else "without use_timm"
-        raise InvalidInput(f"aug_cfg {', '.join(unknown)}: not supported {mode}; supported: {', '.join(allowed)}")
-    jitter = tuple(float(v) for v in aug_cfg.get("color_jitter") or ())
-    ratio = tuple(float(v) for v in aug_cfg.get("ratio") or ())
-    ratio = ratio if any(ratio) else transforms.TRAIN_RATIO
-    try:
-        return transforms.TrainAugment(
-            scale=tuple(float(v) for v in aug_cfg.get("scale", transforms.TRAIN_SCALE)),
-            color_jitter=jitter if any(jitter) else None,
-            color_jitter_prob=float(aug_cfg.get("color_jitter_prob") or 0.0),
-            gray_scale_prob=float(aug_cfg.get("gray_scale_prob") or 0.0),
-            ratio=ratio, re_prob=float(aug_cfg.get("re_prob") or 0.0), re_count=int(aug_cfg.get("re_count") or 1))
-    except (TypeError, ValueError) as e:
-        raise InvalidInput(str(e)) from None
-
-
-def _set(value: Any) -> bool:
-    """A value that asks for something (not 0, False, empty, or all zeros)."""
-    if isinstance(value, (tuple, list)):
-        return any(_set(v) for v in value)
-    return bool(value)
-
-
-Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train_shards gives, by dataset type
-
-
-def resolve_train_shards(cfg: TrainDataConfig) -> Source:
-    """The shards a run reads, resolved once so that the epoch length and the pipeline see the same list.
-
-    A csv run gets its table (read once), a synthetic run None.
-
-    With ``cfg.make_from`` set the shards are written first when missing: once, however many processes of a run ask
-    at the same time (see :func:`clip_jax.data.make_shards.write_missing_shards`).
-    """
-    if cfg.make_from:
-        from clip_jax.data import make_shards  # PIL's encoders; only the demo writes its shards
-
-        make_shards.write_missing_shards(cfg.shards, cfg.make_from)
-    if cfg.dataset_type == "csv":
-        return csv_source.read_csv(cfg.shards, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
-    if cfg.dataset_type == "synthetic":
-        return None
-    return shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
 
 
 class DecodedDataset(grain.IterDataset):
@@ -340,57 +225,3 @@ class TrainIterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return f"TrainIterator({self._parent})"
-
-
-def count_samples(shard_list: shards_lib.ShardList) -> int | None:
-    """Samples in the shards from img2dataset's ``NNNNN_stats.json`` (``successes``); None if any is missing.
-
-    A statistics file that exists but cannot be read or holds no sample count is a ValueError naming it.
-    """
-    import fsspec
-
-    total = 0
-    for url in shard_list.urls:
-        stats_url = url.rsplit(".", 1)[0] + "_stats.json"
-        try:
-            with fsspec.open(stats_url, "r") as f:
-                total += _successes(json.load(f))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:  # unreadable, not JSON, or no count in it
-            raise InvalidInput(
-                f"cannot read the sample count of {stats_url}: {e}; fix or delete that file, or set "
-                "train_num_samples"
-            ) from e
-    return total
-
-
-def _successes(stats: Any) -> int:
-    """img2dataset's count of the samples written into a shard."""
-    if not isinstance(stats, Mapping) or "successes" not in stats:
-        raise ValueError("it has no 'successes' field")
-    try:
-        return int(stats["successes"])
-    except (TypeError, ValueError):
-        raise ValueError(f"'successes' is {stats['successes']!r}, not a sample count") from None
-
-
-def steps_per_epoch(cfg: TrainDataConfig, global_batch_size: int, shard_list: Source = None) -> int:
-    """Optimizer steps per (virtual) epoch, counted as OpenCLIP counts them so that schedules match:
-    ``ceil(train_num_samples / global_batch_size)`` rounded up to a multiple of ``workers``.
-
-    Without ``train_num_samples`` the samples are counted in ``shard_list`` (the run's resolved shards; resolved
-    here when not given).
-    """
-    num_samples = cfg.train_num_samples
-    if num_samples is None and cfg.dataset_type == "synthetic":
-        raise InvalidInput("a synthetic run needs train_num_samples (the samples per virtual epoch)")
-    if num_samples is None:
-        source = shard_list if shard_list is not None else resolve_train_shards(cfg)
-        num_samples = len(source) if isinstance(source, csv_source.CsvTable) else count_samples(source)
-    if num_samples is None:
-        raise InvalidInput(
-            f"cannot tell the epoch size of {cfg.shards!r}: set train_num_samples (no *_stats.json next to the shards)"
-        )
-    workers = max(1, cfg.workers)
-    return math.ceil(math.ceil(num_samples / global_batch_size) / workers) * workers

@@ -224,11 +224,11 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
 
 def data_problems(c: ml_collections.ConfigDict) -> list[str]:
     """The data fields' mistakes: dataset type, filter expression (parsed here, before anything compiles), keys."""
-    from clip_jax.data import filter_expression, filters, pipeline
+    from clip_jax.data import filter_expression, filters, train_config
 
     problems = []
-    if c.dataset_type not in pipeline.DATASET_TYPES:
-        problems.append(f"dataset_type={c.dataset_type!r}: choose one of {pipeline.DATASET_TYPES}")
+    if c.dataset_type not in train_config.DATASET_TYPES:
+        problems.append(f"dataset_type={c.dataset_type!r}: choose one of {train_config.DATASET_TYPES}")
     try:
         rules = filters.parse_rules(c.train_data_filter)
     except filter_expression.FilterSyntaxError as e:
@@ -246,7 +246,7 @@ def data_problems(c: ml_collections.ConfigDict) -> list[str]:
     if c.dataset_type == "csv" and not c.csv_separator:
         problems.append("csv_separator is empty")
     try:
-        pipeline.augment_from_config(c.aug_cfg)
+        train_config.augment_from_config(c.aug_cfg)
     except UserError as e:
         problems.append(str(e))
     if c.dataset_type == "synthetic" and not c.train_num_samples:
