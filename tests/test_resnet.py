@@ -14,7 +14,7 @@ import torch
 from clip_jax.errors import InvalidInput
 from clip_jax.interop import convert
 from clip_jax.models import count_params, create_model, get_model_config, init_variables, list_models, param_shapes
-from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
+from clip_jax.models.open_clip_json import config_from_open_clip, open_clip_model_cfg
 
 # Every stage with a different block count and the attention pool several heads on a 2x2 grid (64 px / 32).
 TINY_RN = {

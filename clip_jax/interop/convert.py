@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config, is_resnet
+from clip_jax.models.config import BlockConfig, CLIPConfig, is_resnet
+from clip_jax.models.registry import get_model_config
 from clip_jax.runtime import ownership
 
 # Layouts: a clip_jax leaf is the OpenCLIP tensor with its axes permuted.

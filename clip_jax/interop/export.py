@@ -28,7 +28,9 @@ from clip_jax.interop.pretrained import (
     run_directory,
     run_model_config,
 )
-from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
+from clip_jax.models.config import CLIPConfig
+from clip_jax.models.open_clip_json import open_clip_model_cfg
+from clip_jax.models.registry import get_model_config
 from clip_jax.runtime import ownership
 
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.

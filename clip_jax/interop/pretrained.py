@@ -21,14 +21,9 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.models.config import (
-    CLIPConfig,
-    config_from_open_clip,
-    get_model_config,
-    is_resnet,
-    with_patch_dropout,
-    with_siglip_head,
-)
+from clip_jax.models.config import CLIPConfig, is_resnet, with_patch_dropout, with_siglip_head
+from clip_jax.models.open_clip_json import config_from_open_clip
+from clip_jax.models.registry import get_model_config
 
 EXPORT_CONFIG = "open_clip_config.json"
 EXPORT_WEIGHTS = "open_clip_model.safetensors"
