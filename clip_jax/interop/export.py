@@ -55,7 +55,8 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> N
     left alone, and its two files are refused when clip_jax did not write them). A ResNet image tower's
     are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
     and num_batches_tracked."""
-    from clip_jax.interop.convert import variables_to_open_clip, write_open_clip
+    from clip_jax.interop.convert import variables_to_open_clip
+    from clip_jax.interop.weight_files import write_open_clip
     from clip_jax.models.variables import as_variables
 
     state_dict = variables_to_open_clip(as_variables(params), model)
