@@ -10,14 +10,14 @@ import pytest
 from clip_jax.data import check, make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import zeroshot
-from clip_jax.interop import convert, similarity
+from clip_jax.interop import similarity, weight_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing
 
 # (module, the function main hands the work to, argv, exit status for a user error)
 CLIS = [
-    (convert, "read_arrays", ["src.npz", "dst.npz", "--model", "ViT-B-32"], 2),
+    (weight_files, "read_arrays", ["src.npz", "dst.npz", "--model", "ViT-B-32"], 2),
     (similarity, "create_model", [], 2),
     (zeroshot, "run", ["--model", "ViT-B-32", "--demo"], 2),
     (make_shards, "fashion_mnist_samples", ["fashion-mnist", "--out", "out"], 1),

@@ -20,7 +20,7 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import clip_benchmark, zeroshot
 from clip_jax.evaluation import metrics as metrics_lib
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.interop.export import export_open_clip
 from clip_jax.models import get_model_config
 
@@ -126,7 +126,7 @@ def setup(tmp_path_factory, params):
     model_json = root / "tiny77.json"
     model_json.write_text(json.dumps(TINY_77))
     checkpoint = root / "tiny.npz"
-    convert.save_params(str(checkpoint), params)
+    weight_files.save_params(str(checkpoint), params)
     collection = root / "collection"
     write_dataset(collection / "vtab" / "fashion", classification_samples(), class_names=CLASSES,
                   templates=TEMPLATES)
@@ -446,7 +446,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, params_path, model_json, collection = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-from clip_jax.interop.convert import load_params
+from clip_jax.interop.weight_files import load_params
 from clip_jax.evaluation import evaluate_benchmark, open_dataset
 from clip_jax.models import create_model
 from clip_jax.runtime.mesh import create_mesh

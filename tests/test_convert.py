@@ -7,7 +7,7 @@ import torch
 from open_clip_reference import TINY, open_clip_features, open_clip_model, random_inputs, state_dict_numpy
 from safetensors.numpy import load_file
 
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.models import create_model
 
 SMALLER = {**TINY, "vision_cfg": {**TINY["vision_cfg"], "patch_size": 16}, "text_cfg": {**TINY["text_cfg"],
@@ -70,17 +70,17 @@ def test_cli_converts_an_open_clip_training_checkpoint_and_back(tmp_path, torch_
     ddp_state_dict = {f"module.{k}": v for k, v in torch_model.state_dict().items()}
     torch.save({"epoch": 3, "name": "run", "state_dict": ddp_state_dict, "optimizer": {}}, src)
     dst = tmp_path / "params.npz"
-    assert convert.main([str(src), str(dst), "--model", "ViT-B-32"]) == 2
+    assert weight_files.main([str(src), str(dst), "--model", "ViT-B-32"]) == 2
     assert "does not match model 'ViT-B-32'" in capsys.readouterr().err
 
     tiny_json = tmp_path / "tiny.json"
     tiny_json.write_text(__import__("json").dumps(TINY))
-    assert convert.main([str(src), str(dst), "--model", str(tiny_json)]) == 0
-    params = convert.load_params(str(dst), TINY)
+    assert weight_files.main([str(src), str(dst), "--model", str(tiny_json)]) == 0
+    params = weight_files.load_params(str(dst), TINY)
     _features_match(params, torch_model)
 
     back = tmp_path / "back.safetensors"
-    assert convert.main([str(dst), str(back), "--model", str(tiny_json)]) == 0
+    assert weight_files.main([str(dst), str(back), "--model", str(tiny_json)]) == 0
     restored = load_file(str(back))
     assert sorted(restored) == sorted(state_dict)
     for key, value in state_dict.items():
@@ -89,16 +89,16 @@ def test_cli_converts_an_open_clip_training_checkpoint_and_back(tmp_path, torch_
 
 def test_safetensors_checkpoints_convert_on_load(tmp_path, torch_model, state_dict):
     path = tmp_path / "open_clip.safetensors"
-    convert.write_open_clip(str(path), state_dict)
-    _features_match(convert.load_params(str(path), TINY), torch_model)
+    weight_files.write_open_clip(str(path), state_dict)
+    _features_match(weight_files.load_params(str(path), TINY), torch_model)
     with pytest.raises(ValueError, match="pass the model name"):
-        convert.load_params(str(path))
+        weight_files.load_params(str(path))
 
 
 def test_unreadable_inputs_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.pt does not exist"):
-        convert.read_arrays(str(tmp_path / "missing.pt"))
+        weight_files.read_arrays(str(tmp_path / "missing.pt"))
     odd = tmp_path / "weights.ckpt"
     odd.write_bytes(b"")
     with pytest.raises(ValueError, match="unknown checkpoint format"):
-        convert.read_arrays(str(odd))
+        weight_files.read_arrays(str(odd))

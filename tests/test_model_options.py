@@ -13,7 +13,7 @@ from tiny_model import SGD, TINY_MODEL, assert_same_update
 
 from clip_jax.interop.convert import from_open_clip, open_clip_shapes, to_open_clip
 from clip_jax.models import count_params, create_model, get_model_config, init_params, param_shapes
-from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
+from clip_jax.models.open_clip_json import config_from_open_clip, open_clip_model_cfg
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.step_factory import StepSpec, build_step
 

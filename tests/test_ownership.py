@@ -16,7 +16,7 @@ from trainer_run import tiny_config
 
 from clip_jax.data import check, make_shards, write_once
 from clip_jax.evaluation import benchmark, zeroshot
-from clip_jax.interop import convert
+from clip_jax.interop import weight_files
 from clip_jax.interop.export import export_open_clip
 from clip_jax.models import create_model, init_params
 from clip_jax.ops import report
@@ -182,10 +182,10 @@ def test_single_file_outputs_refuse_a_file_of_someone_elses(tmp_path, capsys):
     pq.write_table(pa.table({"punsafe": [0.1, 0.9]}), mine / "meta.parquet")
     before = snapshot(mine)
     src = tmp_path / "params.npz"
-    convert.save_params(str(src), {"a": {"b": np.zeros(2)}})
-    convert.save_params(str(src), {"a": {"b": np.ones(2)}})  # its own file it may write again
+    weight_files.save_params(str(src), {"a": {"b": np.zeros(2)}})
+    weight_files.save_params(str(src), {"a": {"b": np.ones(2)}})  # its own file it may write again
     with pytest.raises(ownership.ForeignFiles, match="model.safetensors.*output path"):
-        convert.write_open_clip(str(mine / "model.safetensors"), {"w": np.zeros(2)})
+        weight_files.write_open_clip(str(mine / "model.safetensors"), {"w": np.zeros(2)})
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2)))

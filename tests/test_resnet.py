@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from clip_jax.errors import InvalidInput
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.models import count_params, create_model, get_model_config, init_variables, list_models, param_shapes
-from clip_jax.models.config import config_from_open_clip, open_clip_model_cfg
+from clip_jax.models.open_clip_json import config_from_open_clip, open_clip_model_cfg
 
 # Every stage with a different block count and the attention pool several heads on a 2x2 grid (64 px / 32).
 TINY_RN = {
@@ -171,12 +171,12 @@ def test_the_command_line_converts_both_ways(tiny_torch, tmp_path):
     config_file.write_text(json.dumps(TINY_RN))
     source = tmp_path / "open_clip.pt"
     torch.save(tiny_torch.state_dict(), source)
-    assert convert.main([str(source), str(tmp_path / "ours.npz"), "--model", str(config_file)]) == 0
-    assert convert.main([str(tmp_path / "ours.npz"), str(tmp_path / "back.pt"), "--model", str(config_file)]) == 0
+    assert weight_files.main([str(source), str(tmp_path / "ours.npz"), "--model", str(config_file)]) == 0
+    assert weight_files.main([str(tmp_path / "ours.npz"), str(tmp_path / "back.pt"), "--model", str(config_file)]) == 0
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     for key, value in tiny_torch.state_dict().items():
         assert torch.equal(back[key], value), key
-    variables = convert.load_variables(str(tmp_path / "ours.npz"), str(config_file))
+    variables = weight_files.load_variables(str(tmp_path / "ours.npz"), str(config_file))
     assert int(variables["batch_stats"]["visual"]["bn1"]["num_batches_tracked"]) == \
         int(tiny_torch.visual.bn1.num_batches_tracked)
 

@@ -18,7 +18,7 @@ import clip_jax
 from clip_jax.data import make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import ShardedEncoder, zeroshot
-from clip_jax.interop import convert, export, similarity
+from clip_jax.interop import export, similarity, weight_files
 from clip_jax.interop.pretrained import load_pretrained, load_pretrained_variables
 from clip_jax.models import create_model
 from clip_jax.runtime.checkpoints import read_params, read_variables
@@ -158,7 +158,7 @@ def test_a_pretrained_start_brings_params_and_batch_stats(shards, run, exported,
     run_dir, _ = run
     expected = read_variables(str(run_dir))
     npz = tmp_path / "variables.npz"
-    convert.save_params(str(npz), expected)
+    weight_files.save_params(str(npz), expected)
     for i, source in enumerate((exported, npz, run_dir)):
         with train_lib.Trainer(_config(shards, tmp_path / str(i), pretrained=str(source))) as trainer:
             state = jax.device_get(trainer.state)

@@ -15,7 +15,7 @@ from PIL import Image
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import evaluate_retrieval, load_retrieval_set, retrieval_recall, zeroshot
 from clip_jax.evaluation.retrieval import first_images
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.models import create_model
 from clip_jax.runtime.mesh import create_mesh
 
@@ -154,7 +154,7 @@ def test_the_script_reports_retrieval_and_limit_keeps_the_first_images(tmp_path,
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_77))
     checkpoint = tmp_path / "random_init.npz"
-    convert.save_params(str(checkpoint), convert.from_open_clip(state_dict_numpy(open_clip_model(TINY_77, 2)),
+    weight_files.save_params(str(checkpoint), convert.from_open_clip(state_dict_numpy(open_clip_model(TINY_77, 2)),
                                                                 TINY_77))
     output = tmp_path / "retrieval.json"
     assert zeroshot.main(["--model", str(config), "--checkpoint", str(checkpoint), "--retrieval", pattern,

@@ -7,7 +7,7 @@ import numpy as np
 
 from clip_jax.data import fashion_mnist
 from clip_jax.interop import similarity
-from clip_jax.interop.convert import save_params
+from clip_jax.interop.weight_files import save_params
 from clip_jax.models import create_model, init_params
 
 TINY_REAL_VOCAB = {

@@ -34,7 +34,7 @@ from clip_jax.evaluation import (
 )
 from clip_jax.evaluation.prompts import class_prompts
 from clip_jax.evaluation.sources import ArraySource
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.models import create_model
 from clip_jax.runtime.mesh import create_mesh
 
@@ -250,7 +250,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, params_path, model_json = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-from clip_jax.interop.convert import load_params
+from clip_jax.interop.weight_files import load_params
 from clip_jax.evaluation import demo_set, evaluate_zeroshot
 from clip_jax.models import create_model
 from clip_jax.runtime.mesh import create_mesh
@@ -264,7 +264,7 @@ def test_two_processes_each_get_the_global_result(tmp_path, mesh, tiny_json, mod
     """33 images over 2 processes x 4 devices, 8 rows per process and step: process 0 reads 17 images in 3 steps,
     process 1 reads 16 and pads its third step entirely."""
     params = _random_params(3)
-    convert.save_params(str(tmp_path / "params.npz"), params)
+    weight_files.save_params(str(tmp_path / "params.npz"), params)
     expected = evaluate_zeroshot(model, params, open_classification_set("demo").head(33), mesh, batch_size=16,
                                  text_batch_size=200)
 
@@ -291,7 +291,7 @@ def test_two_processes_each_get_the_global_result(tmp_path, mesh, tiny_json, mod
 
 def test_the_demo_runs_end_to_end_and_writes_json(tmp_path, tiny_json, capsys):
     checkpoint = str(tmp_path / "random_init.npz")
-    convert.save_params(checkpoint, _random_params(4))
+    weight_files.save_params(checkpoint, _random_params(4))
     output = tmp_path / "out" / "demo.json"
     assert zeroshot.main(["--model", tiny_json, "--checkpoint", checkpoint, "--demo", "--limit", "300",
                           "--batch-size", "12", "--output", str(output), "--no-progress"]) == 0
@@ -337,7 +337,7 @@ def test_a_tfds_dataset_is_read_without_tensorflow(tmp_path, tiny_json, params, 
         path.unlink()
     name = _prepare_tfds(tmp_path / "tfds", folder)
     checkpoint = str(tmp_path / "p.npz")
-    convert.save_params(checkpoint, params)
+    weight_files.save_params(checkpoint, params)
     output = tmp_path / "m.json"
     assert zeroshot.main(["--model", tiny_json, "--checkpoint", checkpoint, "--tfds", name, "--tfds-data-dir",
                           str(tmp_path / "tfds"), "--imagenet-val", str(folder), "--templates", "simple_imagenet",
@@ -383,7 +383,7 @@ def test_class_names_that_do_not_match_the_labels_are_refused(tmp_path, tiny_jso
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_the_script(tmp_path, tiny_json, params, capsys):
-    convert.save_params(str(tmp_path / "p.npz"), params)
+    weight_files.save_params(str(tmp_path / "p.npz"), params)
     assert zeroshot.main(["--model", "ViT-B-32", "--checkpoint", str(tmp_path / "p.npz"), "--demo"]) == 2
     assert "does not match model 'ViT-B-32'" in capsys.readouterr().err
     assert zeroshot.main(["--model", tiny_json, "--checkpoint", str(tmp_path), "--demo"]) == 2

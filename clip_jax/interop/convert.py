@@ -1,30 +1,22 @@
-"""OpenCLIP <-> clip_jax weights.
+"""OpenCLIP state_dict <-> clip_jax weights.
 
 `from_open_clip(state_dict, model)` turns an OpenCLIP state_dict (numpy values) into clip_jax params;
 `to_open_clip(params, model)` goes back. Both are exact: transposes and stacking only. A model with a ResNet image
 tower also has BatchNorm statistics (`running_mean`, `running_var`, `num_batches_tracked`), which clip_jax keeps in
 the `batch_stats` collection beside `params`: `variables_from_open_clip` / `variables_to_open_clip` convert both
-collections (and work for any model). The command line
-
-    python -m clip_jax.convert SRC DST --model ViT-L-14
-
-reads an OpenCLIP checkpoint (`.pt`/`.pth`/`.bin` through torch when installed, `.safetensors`, `.npz`) and writes
-clip_jax params (`.npz`), or, when SRC holds clip_jax params, writes an OpenCLIP state_dict (`.safetensors`, `.npz`,
-or `.pt` through torch).
+collections (and work for any model). A tree or state_dict of another model is refused, naming the keys and shapes.
+Reading and writing the files, and the `python -m clip_jax.convert` command: `clip_jax.interop.weight_files`.
 """
 
-import argparse
 import dataclasses
-import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.models.config import BlockConfig, CLIPConfig, get_model_config, is_resnet
-from clip_jax.runtime import ownership
+from clip_jax.errors import InvalidInput
+from clip_jax.models.config import BlockConfig, CLIPConfig, is_resnet
+from clip_jax.models.registry import get_model_config
 
 # Layouts: a clip_jax leaf is the OpenCLIP tensor with its axes permuted.
 _SAME = None
@@ -301,143 +293,3 @@ def variables_to_open_clip(variables, name_or_config) -> dict[str, np.ndarray]:
             state_dict[key] = np.array(piece, dtype=np.int64 if np.issubdtype(piece.dtype, np.integer) else None,
                                        order="C")
     return state_dict
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Files
-
-
-def save_params(path: str, params) -> None:
-    """clip_jax params (or any nested dict of arrays, such as a ResNet model's variables) as an `.npz` of
-    '/'-joined paths."""
-    if not path.endswith(".npz"):
-        raise InvalidInput(f"clip_jax params are written as .npz; got {path}")
-    _claim(path)
-    np.savez(path, **{"/".join(p): np.asarray(v) for p, v in _flatten(params).items()})
-
-
-def load_params(path: str, name_or_config=None) -> dict:
-    """clip_jax params from an `.npz` written by `save_params`, or converted on the fly from an OpenCLIP checkpoint
-    (which needs `name_or_config`)."""
-    if name_or_config is not None:
-        _refuse_resnet(get_model_config(name_or_config), "load_params", "load_variables")
-    arrays = read_arrays(path)
-    if _is_clip_jax(arrays):
-        params = _unflatten(arrays)
-        if name_or_config is not None:
-            to_open_clip(params, name_or_config)  # validates the tree against the model, naming any bad key
-        return params
-    if name_or_config is None:
-        raise InvalidInput(f"{path} holds an OpenCLIP state_dict; pass the model name to convert it")
-    return from_open_clip(arrays, name_or_config)
-
-
-def load_variables(path: str, name_or_config) -> dict:
-    """clip_jax variables (`params`, and `batch_stats` for a ResNet image tower) from an `.npz` written by
-    `save_params` (a variables tree, or a ViT model's params), or converted from an OpenCLIP checkpoint."""
-    config = get_model_config(name_or_config)
-    arrays = read_arrays(path)
-    if not _is_clip_jax(arrays):
-        return variables_from_open_clip(arrays, config)
-    tree = _unflatten(arrays)
-    variables = tree if "params" in tree else {"params": tree}
-    variables_to_open_clip(variables, config)  # validates the tree against the model, naming any bad key
-    return variables
-
-
-def _unflatten(arrays: Mapping[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in arrays.items():
-        *parents, leaf = key.split("/")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
-def _is_clip_jax(arrays: Mapping[str, Any]) -> bool:
-    return any("/" in k for k in arrays)
-
-
-def _torch_state_dict(path: str) -> dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit(f"reading {path} needs PyTorch (pip install torch); or convert it to .safetensors first") \
-            from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except RuntimeError:  # OpenAI's original checkpoints are TorchScript archives
-        obj = torch.jit.load(path, map_location="cpu").state_dict()
-    if isinstance(obj, Mapping) and "state_dict" in obj:  # an OpenCLIP training checkpoint
-        obj = obj["state_dict"]
-    if not isinstance(obj, Mapping):
-        raise InvalidInput(f"{path} does not hold a state_dict (found {type(obj).__name__})")
-    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in obj.items()
-            if isinstance(v, torch.Tensor)}
-
-
-def read_arrays(path: str) -> dict[str, np.ndarray]:
-    """Name -> array from a `.pt`/`.pth`/`.bin` (torch), `.safetensors` or `.npz` file."""
-    if not os.path.exists(path):
-        raise MissingInput(f"checkpoint {path} does not exist")
-    if path.endswith((".pt", ".pth", ".bin")):
-        return _torch_state_dict(path)
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
-
-        return load_file(path)
-    if path.endswith(".npz"):
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
-    raise InvalidInput(f"unknown checkpoint format {path}: expected .pt, .pth, .bin, .safetensors or .npz")
-
-
-def _claim(path: str) -> None:
-    ownership.claim_file(path, writing="writing the weights", change="give another output path")
-
-
-def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
-    """`state_dict` as a `.safetensors`, `.npz` or torch file (a file of the same name is replaced only when clip_jax
-    wrote it)."""
-    if not path.endswith((".safetensors", ".npz", ".pt", ".pth", ".bin")):
-        raise InvalidInput(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
-    _claim(path)
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import save_file
-
-        save_file(dict(state_dict), path)
-    elif path.endswith(".npz"):
-        np.savez(path, **state_dict)
-    else:
-        import torch
-
-        torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clip_jax.convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="OpenCLIP checkpoint (.pt/.pth/.bin/.safetensors/.npz) or clip_jax params .npz")
-    parser.add_argument("dst", help="clip_jax params (.npz), or an OpenCLIP state_dict when SRC is clip_jax params")
-    parser.add_argument("--model", required=True, help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json")
-    args = parser.parse_args(argv)
-    try:
-        arrays = read_arrays(args.src)
-        if _is_clip_jax(arrays):
-            write_open_clip(args.dst, variables_to_open_clip(load_variables(args.src, args.model), args.model))
-            direction = "clip_jax -> OpenCLIP"
-        else:
-            variables = variables_from_open_clip(arrays, args.model)
-            # a ViT model's file holds its params alone; a ResNet model's, both collections under their names
-            save_params(args.dst, variables if is_resnet(get_model_config(args.model)) else variables["params"])
-            direction = "OpenCLIP -> clip_jax"
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{direction}: {args.src} -> {args.dst} ({args.model})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

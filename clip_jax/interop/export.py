@@ -28,7 +28,9 @@ from clip_jax.interop.pretrained import (
     run_directory,
     run_model_config,
 )
-from clip_jax.models.config import CLIPConfig, get_model_config, open_clip_model_cfg
+from clip_jax.models.config import CLIPConfig
+from clip_jax.models.open_clip_json import open_clip_model_cfg
+from clip_jax.models.registry import get_model_config
 from clip_jax.runtime import ownership
 
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
@@ -53,7 +55,8 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> N
     left alone, and its two files are refused when clip_jax did not write them). A ResNet image tower's
     are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
     and num_batches_tracked."""
-    from clip_jax.interop.convert import variables_to_open_clip, write_open_clip
+    from clip_jax.interop.convert import variables_to_open_clip
+    from clip_jax.interop.weight_files import write_open_clip
     from clip_jax.models.variables import as_variables
 
     state_dict = variables_to_open_clip(as_variables(params), model)

@@ -21,14 +21,9 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.models.config import (
-    CLIPConfig,
-    config_from_open_clip,
-    get_model_config,
-    is_resnet,
-    with_patch_dropout,
-    with_siglip_head,
-)
+from clip_jax.models.config import CLIPConfig, is_resnet, with_patch_dropout, with_siglip_head
+from clip_jax.models.open_clip_json import config_from_open_clip
+from clip_jax.models.registry import get_model_config
 
 EXPORT_CONFIG = "open_clip_config.json"
 EXPORT_WEIGHTS = "open_clip_model.safetensors"
@@ -188,7 +183,8 @@ def load_pretrained(path: str, name_or_config) -> dict:
 def load_pretrained_variables(path: str, name_or_config) -> dict:
     """Host variables of the model `name_or_config` from `path` (see the module docstring): `{"params": ...}`, and
     `"batch_stats"` (BatchNorm's running statistics) for a ResNet image tower; what `model.apply` takes."""
-    from clip_jax.interop.convert import _is_clip_jax, _unflatten, read_arrays, variables_from_open_clip
+    from clip_jax.interop.convert import variables_from_open_clip
+    from clip_jax.interop.weight_files import _is_clip_jax, _unflatten, read_arrays
 
     config = get_model_config(name_or_config)
     path = os.fspath(path)

@@ -16,7 +16,7 @@ from PIL import Image
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
 from clip_jax.errors import UserError
-from clip_jax.interop.convert import load_variables
+from clip_jax.interop.weight_files import load_variables
 from clip_jax.models import create_model, init_variables
 from clip_jax.tokenizer import tokenize
 

@@ -16,12 +16,11 @@ from clip_jax.models.config import (
                                   ResNetVisionConfig,
                                   TextConfig,
                                   VisionConfig,
-                                  get_model_config,
                                   is_resnet,
-                                  list_models,
-                                  open_clip_model_cfg,
 )
 from clip_jax.models.layers import remat_policy_names
+from clip_jax.models.open_clip_json import open_clip_model_cfg
+from clip_jax.models.registry import get_model_config, list_models
 
 __all__ = [
     "BlockConfig", "CLIP", "CLIPConfig", "ResNetVisionConfig", "TextConfig", "VisionConfig", "count_params",

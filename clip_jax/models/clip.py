@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
-from clip_jax.models.config import CLIPConfig, get_model_config, is_resnet
+from clip_jax.models.config import CLIPConfig, is_resnet
 from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, Transformer, resolve_remat_policy, tower_norm
+from clip_jax.models.registry import get_model_config
 from clip_jax.models.resnet import ModifiedResNet
 from clip_jax.models.vit import VisionTransformer
 

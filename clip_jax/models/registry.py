@@ -1,0 +1,101 @@
+"""The named models (OpenCLIP's own model configs) and `get_model_config`, which resolves a name, an OpenCLIP
+model-config `.json` file or dict, or a `CLIPConfig` to a `CLIPConfig`."""
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.models.config import CLIPConfig
+from clip_jax.models.open_clip_json import config_from_open_clip
+
+# OpenCLIP's model-config JSON, as in open_clip/model_configs/*.json (architecture fields only).
+_OPEN_CLIP_CONFIGS = {
+    "ViT-B-32": {
+        "embed_dim": 512,
+        "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 32},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "ViT-B-16": {
+        "embed_dim": 512,
+        "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 16},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "ViT-L-14": {
+        "embed_dim": 768,
+        "vision_cfg": {"image_size": 224, "layers": 24, "width": 1024, "patch_size": 14},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
+    },
+    "ViT-L-14-336": {
+        "embed_dim": 768,
+        "vision_cfg": {"image_size": 336, "layers": 24, "width": 1024, "patch_size": 14},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
+    },
+    "ViT-H-14": {
+        "embed_dim": 1024,
+        "vision_cfg": {"image_size": 224, "layers": 32, "width": 1280, "head_width": 80, "patch_size": 14},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 24},
+    },
+    "ViT-g-14": {
+        "embed_dim": 1024,
+        "vision_cfg": {
+            "image_size": 224,
+            "layers": 40,
+            "width": 1408,
+            "head_width": 88,
+            "mlp_ratio": 4.3637,
+            "patch_size": 14,
+        },
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 24},
+    },
+    # ModifiedResNet image towers (a list of 4 `layers`)
+    "RN50": {
+        "embed_dim": 1024,
+        "vision_cfg": {"image_size": 224, "layers": [3, 4, 6, 3], "width": 64, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "RN101": {
+        "embed_dim": 512,
+        "vision_cfg": {"image_size": 224, "layers": [3, 4, 23, 3], "width": 64, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+    },
+    "RN50x4": {
+        "embed_dim": 640,
+        "vision_cfg": {"image_size": 288, "layers": [4, 6, 10, 6], "width": 80, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 640, "heads": 10, "layers": 12},
+    },
+    "RN50x16": {
+        "embed_dim": 768,
+        "vision_cfg": {"image_size": 384, "layers": [6, 8, 18, 8], "width": 96, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 768, "heads": 12, "layers": 12},
+    },
+    "RN50x64": {
+        "embed_dim": 1024,
+        "vision_cfg": {"image_size": 448, "layers": [3, 15, 36, 10], "width": 128, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 12},
+    },
+}
+
+
+def list_models() -> list[str]:
+    return sorted(_OPEN_CLIP_CONFIGS)
+
+
+def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CLIPConfig") -> CLIPConfig:
+    """A registered name (`ViT-L-14`, also `ViT-L-14-quickgelu`), an OpenCLIP JSON file or dict, or a `CLIPConfig`."""
+    if isinstance(name_or_config, CLIPConfig):
+        return name_or_config
+    if isinstance(name_or_config, Mapping):
+        return config_from_open_clip(name_or_config)
+    name = os.fspath(name_or_config)
+    if name.endswith(".json"):
+        if not os.path.exists(name):
+            raise MissingInput(f"model config file {name} does not exist")
+        with open(name) as f:
+            return config_from_open_clip(json.load(f), name=os.path.basename(name)[: -len(".json")])
+    base, quick = (name[: -len("-quickgelu")], True) if name.endswith("-quickgelu") else (name, False)
+    if base not in _OPEN_CLIP_CONFIGS:
+        raise InvalidInput(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "
+                         "-quickgelu), or pass an OpenCLIP model-config .json file or dict")
+    return config_from_open_clip({**_OPEN_CLIP_CONFIGS[base], "quick_gelu": quick}, name=name)
