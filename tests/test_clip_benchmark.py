@@ -390,21 +390,18 @@ def test_the_samples_are_read_back_by_offset(good):
 
 
 def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_path):
-    """The trainer's evaluator (built as `Trainer.zeroshot_evaluator` builds it) on the classification folder gives
-    the command line's acc1 and acc5 on the same params."""
-    import types
-
+    """The trainer's zero-shot evaluator (`training.evaluations.open_zeroshot_evaluator`) on the classification
+    folder gives the command line's acc1 and acc5 on the same params."""
     from trainer_run import tiny_config
 
     from clip_jax.runtime.mesh import create_mesh
-    from clip_jax.training import trainer as train_lib
     from clip_jax.training.config import check_config
+    from clip_jax.training.evaluations import open_zeroshot_evaluator
 
     folder = setup["collection"] / "vtab" / "fashion"
     config = tiny_config(("/data/{000..001}.tar", setup["model"]), tmp_path, zeroshot_data=str(folder))
     check_config(config, num_devices=8)
-    trainer = types.SimpleNamespace(config=config, mesh=create_mesh())
-    evaluator = train_lib.Trainer.zeroshot_evaluator.func(trainer)
+    evaluator = open_zeroshot_evaluator(config, create_mesh())
     assert evaluator.dataset.name == "wds/fashion" and evaluator.dataset.class_names == tuple(CLASSES)
     metrics = evaluator(params)
     expected = ours[1]["wds/vtab/fashion"][1]["metrics"]

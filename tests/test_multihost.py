@@ -21,6 +21,7 @@ from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints, data_it
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training import run_setup
 from clip_jax.training import trainer as train_lib
+from clip_jax.training.schedule import make_schedule
 from clip_jax.training.step_factory import build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +89,7 @@ def one_process(two_process_run):
     """(mesh, engine) of this test process: 1 process x 8 devices, compiled once for the tests below."""
     config = two_process_run[0]
     mesh = create_mesh()
-    schedule = train_lib.make_schedule(config, jax.device_count())
+    schedule = make_schedule(config, jax.device_count())
     return mesh, build_step(train_lib.step_spec(config, schedule, "cpu", "fp32"), mesh)
 
 

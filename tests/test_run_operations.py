@@ -18,6 +18,7 @@ from wandb_offline import offline_runs
 from clip_jax.data import make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.ops import report as report_lib
+from clip_jax.ops import run_outputs
 from clip_jax.ops.device_telemetry import Telemetry
 from clip_jax.training import trainer as train_lib
 from clip_jax.training.config import check_config
@@ -44,8 +45,8 @@ def run(tmp_path_factory, trainer_model_file):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_SILENT", "true")
-        patch.setattr(train_lib, "Telemetry", functools.partial(Telemetry, nvml=fake_nvml(GPUS),
-                                                                cuda_visible_devices=""))
+        patch.setattr(run_outputs, "Telemetry", functools.partial(Telemetry, nvml=fake_nvml(GPUS),
+                                                                  cuda_visible_devices=""))
         for overrides in ({}, {"resume": "latest", "epochs": 3}):
             out = io.StringIO()
             with contextlib.redirect_stdout(out):

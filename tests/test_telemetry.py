@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from trainer_run import tiny_config
+from trainer_run import nan_after, tiny_config
 
 from clip_jax.data import make_shards
 from clip_jax.training import trainer as train_lib
@@ -86,21 +86,6 @@ def shards(tmp_path_factory, trainer_model_file):
     return make_shards.shard_pattern(paths), trainer_model_file
 
 
-def with_nan_batches(trainer, steps: set[int]):
-    """`trainer` with the batches after the given step counts made NaN, once each."""
-    host_batch, pending = trainer._host_batch, set(steps)
-
-    def nan_batch():
-        batch = host_batch()
-        if trainer.step in pending:
-            pending.discard(trainer.step)
-            batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
-        return batch
-
-    trainer._host_batch = nan_batch
-    return trainer
-
-
 def read_tensorboard(run_dir) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -117,7 +102,7 @@ def test_a_run_logs_telemetry_and_its_rollback_as_events(shards, tmp_path, spike
     # 768 samples / 64 per step = 12 steps; a checkpoint at 4 and 8; NaN batches 5-7 roll back to 4
     config = tiny_config(shards, tmp_path, train_num_samples=768, log_every_n_steps=4, save_every_steps=4,
                          report_to="tensorboard", spike_telemetry=spike_telemetry)
-    with with_nan_batches(train_lib.Trainer(config), {4, 5, 6}) as trainer:
+    with train_lib.Trainer(config, edit_batch=nan_after({4, 5, 6})) as trainer:
         trainer.train()
     assert trainer.rollbacks == 1
     with open(tmp_path / "run" / "metrics.jsonl") as f:

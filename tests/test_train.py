@@ -14,10 +14,11 @@ import time
 import jax
 import numpy as np
 import pytest
-from trainer_run import losses, tiny_config
+from trainer_run import losses, nan_after, tiny_config
 
 from clip_jax.data import make_shards
 from clip_jax.evaluation import zeroshot
+from clip_jax.ops import run_outputs
 from clip_jax.ops.writers import MetricsWindow
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, replicated
 from clip_jax.training import trainer as train_lib
@@ -47,22 +48,6 @@ def launch(config, *extra) -> subprocess.Popen:
            "CLIP_JAX_TEST_CONFIG": config.to_json()}
     return subprocess.Popen(args + list(extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=REPO)
-
-
-def with_nan_batches(trainer, steps: set[int]):
-    """`trainer` with the batches after the given step counts made NaN, once each (a rollback replays a step number
-    with new data)."""
-    host_batch, pending = trainer._host_batch, set(steps)
-
-    def nan_batch():
-        batch = host_batch()
-        if trainer.step in pending:
-            pending.discard(trainer.step)
-            batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
-        return batch
-
-    trainer._host_batch = nan_batch
-    return trainer
 
 
 def wait_for_step(run_dir, step, process, timeout=240, checkpoint=None):
@@ -108,18 +93,18 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
     # host waits for a loss; at a log (or save) step the host catches up before reporting.
     trainer = train_lib.Trainer(tiny_config(shards, tmp_path, train_num_samples=512, log_every_n_steps=4,
                                             save_every_steps=0))
-    events, step_fn, observe = [], trainer.engine.update, trainer._observe
+    events, step_fn, observe = [], trainer.engine.update, trainer.observe
 
     def dispatch(state, batch):
         events.append(f"dispatch {trainer.step + 1}")
         return step_fn(state, batch)
 
-    def read(step, metrics, monitor):
+    def read(step, scalars):
         events.append(f"read {step}")
-        return observe(step, metrics, monitor)
+        return observe(step, scalars)
 
     trainer.engine = dataclasses.replace(trainer.engine, update=dispatch)
-    monkeypatch.setattr(trainer, "_observe", read)
+    monkeypatch.setattr(trainer, "observe", read)
     trainer.train()
     assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3",
                       "read 4", "dispatch 5", "dispatch 6", "read 5", "dispatch 7", "read 6", "dispatch 8",
@@ -215,7 +200,7 @@ def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards
     # The stop signal arrives while step 6 (NaN inputs, nan_patience 1) is dispatched but unread: the stop check
     # reads it first, rolls back to checkpoint 4 once, and stops there.
     config = tiny_config(shards, tmp_path, log_every_n_steps=100, save_every_steps=4, nan_patience=1)
-    trainer = with_nan_batches(train_lib.Trainer(config), {5})
+    trainer = train_lib.Trainer(config, edit_batch=nan_after({5}))
 
     class StopAtStep6:
         received = "SIGTERM"
@@ -280,7 +265,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_under_another_precision(sh
 
 def test_non_finite_steps_are_skipped_then_rolled_back_to_fp32(shards, tmp_path):
     config = tiny_config(shards, tmp_path, precision="bf16", nan_patience=3, on_instability="rollback_fp32")
-    with with_nan_batches(train_lib.Trainer(config), {13, 14, 15}) as trainer:
+    with train_lib.Trainer(config, edit_batch=nan_after({13, 14, 15})) as trainer:
         trainer.train()
     assert trainer.skipped_updates == 3
     assert trainer.rollbacks == 1
@@ -308,14 +293,14 @@ def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path
 
     monkeypatch.setattr(train_lib.data, "build_train_iterator", build_recording_close)
     monkeypatch.setattr(train_lib, "RunCheckpoints", Checkpoints)
-    monkeypatch.setattr(train_lib, "TensorBoardWriter", unwritable)  # the last thing the set-up opens
+    monkeypatch.setattr(run_outputs, "TensorBoardWriter", unwritable)  # the last thing the set-up opens
     with pytest.raises(OSError, match="read-only file system"):
         train_lib.Trainer(tiny_config(shards, tmp_path, report_to="tensorboard"))
     assert sorted(closed) == ["checkpoints", "data iterator"]
 
 
 def test_a_single_skipped_step_does_not_roll_back(shards, tmp_path):
-    with with_nan_batches(train_lib.Trainer(tiny_config(shards, tmp_path, nan_patience=3)), {10}) as trainer:
+    with train_lib.Trainer(tiny_config(shards, tmp_path, nan_patience=3), edit_batch=nan_after({10})) as trainer:
         trainer.train()
     assert trainer.skipped_updates == 1 and trainer.rollbacks == 0
 

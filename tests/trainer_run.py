@@ -4,6 +4,8 @@ logs: shared by the tests that run the trainer in one process and in several."""
 import json
 import os
 
+import numpy as np
+
 from clip_jax.training.config import default_config
 
 
@@ -40,3 +42,17 @@ def losses(run_dir) -> dict[int, float]:
             if "loss" in record:
                 out[record["step"]] = record["loss"]
     return out
+
+
+def nan_after(steps: set[int]):
+    """`Trainer(edit_batch=...)` making the batches after the given step counts NaN, once each (a rollback replays a
+    step number with new data)."""
+    pending = set(steps)
+
+    def edit(step: int, batch: dict) -> dict:
+        if step not in pending:
+            return batch
+        pending.discard(step)
+        return {**batch, "images": np.full_like(batch["images"], np.nan)}
+
+    return edit

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from clip_jax.errors import InvalidInput
+from clip_jax.errors import InvalidInput, RunFailed, UserError
 from clip_jax.runtime import ownership, storage
 from clip_jax.runtime.checkpoints import (
     CheckpointMeta,
@@ -24,6 +24,7 @@ from clip_jax.runtime.checkpoints import (
     resolve_resume,
     saved_process_count,
 )
+from clip_jax.training.config import report_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +128,36 @@ def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int |
     note = (f"data position not restored: checkpoint {where} was saved by {saved}, this run has {here}; "
             f"new data iterators with seed {seed} (from seed {config.seed} and step {step}): {what}")
     return DataResume(False, seed, note)
+
+
+def run_entries(config) -> list[str]:
+    """What a run writes into its directory (`ownership.RUN_ENTRIES` are all a run may hold)."""
+    targets = report_targets(config.report_to)
+    return (["config.json", "checkpoints", "metrics.jsonl"] + (["tensorboard"] if "tensorboard" in targets else [])
+            + (["wandb", "wandb_run_id"] if "wandb" in targets else []))
+
+
+def check_run_locations(config) -> None:
+    """The bucket of a remote `logs` (written) or `resume` (read), checked by every process (each writes its own
+    shards and data-iterator files there): credentials, bucket, endpoint and the s3fs/gcsfs package, each failure
+    one line naming the URL. The processes agree on the outcome, so that none goes on to wait for the others."""
+    remote = [(url, write) for url, write in ((config.logs, True), (config.resume, False))
+              if url and url != "latest" and storage.is_remote(url)]
+    if not remote:
+        return
+    problem = None
+    try:
+        for url, write in remote:
+            storage.check_location(url, write=write, probe=f".clip_jax_write_probe-{jax.process_index()}")
+    except UserError as e:
+        problem = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.flatnonzero(multihost_utils.process_allgather(np.int32(problem is not None)))
+        if problem is None and failed.size:
+            raise RunFailed(f"process(es) {failed.tolist()} cannot use the run's bucket ({remote[0][0]}): every "
+                            "host needs the credentials, the network route and clipjax-train[remote]; see their "
+                            "error")
+    if problem is not None:
+        raise problem

@@ -5,8 +5,8 @@ The host reads a step's scalars only after dispatching the next one, so the devi
 steps; at a log, save, evaluation or stop step the reads catch up first (`catch_up`), so nothing is logged or saved
 unchecked. A read copies the step's replicated metrics from one of this process's devices and averages them on the
 host: it runs no program, where a jnp operation on them (a device copy, a merge on device) would run one across
-every process. Reading a step may roll the run back; the unread step and the window then belong to the abandoned
-trajectory and are dropped, here and nowhere else.
+every process. A read may find a problem that rolls the run back (the trainer decides); the unread step and the
+window then belong to the abandoned trajectory and are dropped, here and nowhere else.
 """
 
 import time
@@ -38,11 +38,11 @@ def step_scalars(metrics: dict) -> dict[str, np.ndarray]:
 
 
 class StepReads:
-    """`read(step, scalars) -> bool` checks one step's scalars, read to the host (and returns True when it rolled
-    the run back)."""
+    """`check(step, scalars) -> str | None` checks one step's scalars, read to the host: the problem it shows (the
+    reason to roll the run back), or None."""
 
-    def __init__(self, read: Callable[[int, dict], bool]):
-        self._read = read
+    def __init__(self, check: Callable[[int, dict], str | None]):
+        self._check = check
         self._unread: tuple[int, dict] | None = None
         self.window = MetricsWindow()  # the steps read since the last log line
         self.last_read: tuple[int, dict] | None = None  # the latest step read and kept, with its metrics on device
@@ -57,26 +57,28 @@ class StepReads:
         self.steps += 1
         self.data_wait += data_wait
 
-    def dispatched(self, step: int, metrics: dict) -> bool:
-        """Step `step` is on the devices: reads the step before it. True when that read rolled back; the step just
-        dispatched is then dropped with it."""
-        if self.catch_up():
-            return True
-        self._unread = (step, metrics)
-        return False
+    def dispatched(self, step: int, metrics: dict) -> tuple[int, str] | None:
+        """Step `step` is on the devices: reads the step before it. A problem found there, as (its step, the
+        reason); the step just dispatched is then dropped with it."""
+        problem = self.catch_up()
+        if problem is None:
+            self._unread = (step, metrics)
+        return problem
 
-    def catch_up(self) -> bool:
-        """Reads the unread step, if there is one. True when it rolled back."""
+    def catch_up(self) -> tuple[int, str] | None:
+        """Reads the unread step, if there is one: a problem it shows, as (its step, the reason), or None. With a
+        problem the window is dropped too (it belongs to the trajectory the run abandons)."""
         if self._unread is None:
-            return False
+            return None
         (step, metrics), self._unread = self._unread, None
         scalars = step_scalars(metrics)
-        if self._read(step, scalars):
+        reason = self._check(step, scalars)
+        if reason is not None:
             self.window, self.last_read = MetricsWindow(), None
-            return True
+            return step, reason
         self.last_read = (step, metrics)
         self.window.add(scalars)
-        return False
+        return None
 
     def take_window(self) -> tuple[MetricsWindow, int, float, float]:
         """(metrics, steps, seconds, seconds waiting for data) of the window, and a new one begins."""

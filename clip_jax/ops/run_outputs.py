@@ -1,0 +1,99 @@
+"""What a run tells the world, from process 0: the console, metrics.jsonl, TensorBoard, W&B and device telemetry.
+
+A record (`record`) is one line of metrics.jsonl (`{"step": ..., NAME: value, ...}`) and the same scalars in each
+of the run's targets; an event (`event`, e.g. a rollback) is a record of its own, `{"event": KIND, "step": ...}`,
+and `events/KIND` = 1 in TensorBoard and W&B. On a bucket the files are staged locally and uploaded at every `sync`
+(each checkpoint save) and at `close` (`storage.StagedOutputs`). On every other process each method does nothing,
+so the trainer calls them unconditionally.
+"""
+
+import json
+import logging
+
+from clip_jax.ops.device_telemetry import Telemetry, progress_parts
+from clip_jax.ops.writers import TensorBoardWriter, progress_line
+from clip_jax.runtime import storage
+
+log = logging.getLogger(__name__)
+
+
+class RunOutputs:
+    """`targets`: the metrics targets ("tensorboard", "wandb"); `device_telemetry`: sample NVML, the allocator and
+    the host at each log line (of `devices`). Closes what it opened in `close()`, also when it fails part way."""
+
+    def __init__(self, run_dir: str, *, is_main: bool, targets=(), wandb_project: str = "", config: dict | None = None,
+                 device_telemetry: bool = False, devices=()):
+        self.run_dir, self.is_main = run_dir, is_main
+        self.staged = self.tensorboard = self.wandb = self.device_telemetry = None
+        if not is_main:
+            return
+        try:
+            self.staged = storage.StagedOutputs(run_dir)
+            if "tensorboard" in targets:
+                self.tensorboard = TensorBoardWriter(self.staged.path("tensorboard"))
+            if "wandb" in targets:
+                from clip_jax.ops.wandb_writer import WandbWriter
+
+                self.wandb = WandbWriter(self.staged.local_dir, project=wandb_project, name=storage.basename(run_dir),
+                                         config=config or {})
+            if device_telemetry:
+                self.device_telemetry = Telemetry(devices=devices)
+                for note in self.device_telemetry.notes:
+                    self.say(note)
+        except BaseException:
+            self.close()
+            raise
+
+    def say(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
+
+    def record(self, step: int, scalars: dict) -> None:
+        self._write(step, scalars, {"step": step, **scalars})
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        self._write(step, {f"events/{kind}": 1.0}, {"event": kind, "step": step, **fields})
+
+    def log(self, step: int, total_steps: int, epoch: float, scalars: dict, extra: dict | None = None) -> None:
+        """A log line: the progress line on the console (with the device telemetry, sampled now, and its warnings),
+        and `scalars` (the `None` ones left out), the telemetry and `extra` as the step's record."""
+        if not self.is_main:
+            return
+        line = progress_line(step, total_steps, epoch, scalars)
+        if self.device_telemetry is not None:  # read on logging steps only: a few microseconds each
+            device = self.device_telemetry.sample()
+            scalars = {**scalars, **device}
+            line = " | ".join([line, *progress_parts(device)])
+            for warning in self.device_telemetry.warnings(device):
+                self.say(warning)
+        self.say(line)
+        self.record(step, {k: v for k, v in scalars.items() if v is not None} | (extra or {}))
+
+    def sync(self, step: int) -> None:
+        """Sends the staged files to a bucket run directory; a failure is a warning (the next sync sends them)."""
+        if self.staged is None:
+            return
+        try:
+            self.staged.sync()
+        except Exception as e:  # noqa: BLE001  a storage hiccup: the next save (or the exit) sends them again
+            log.warning("could not upload the run's metrics to %s at step %d (%s); retrying at the next save",
+                        self.run_dir, step, e)
+
+    def close(self) -> None:
+        """Closes the writers, then uploads the staged files a last time (their last events included)."""
+        staged, self.staged = self.staged, None
+        for opened in (self.tensorboard, self.wandb, self.device_telemetry):
+            if opened is not None:
+                opened.close()
+        self.tensorboard = self.wandb = self.device_telemetry = None
+        if staged is not None:
+            staged.close()
+
+    def _write(self, step: int, scalars: dict, line: dict) -> None:
+        if not self.is_main:
+            return
+        for writer in (self.tensorboard, self.wandb):
+            if writer is not None:
+                writer.write_scalars(step, scalars)
+        with open(self.staged.path("metrics.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -1,0 +1,105 @@
+"""The evaluations a run makes as it trains: zero-shot classification (`zeroshot_data`) and validation (`val_data`).
+
+One rule says when each is due (`epoch_due`): at the end of every `frequency`-th epoch, but not at the run's last
+step, after which the loop runs all of them once (`final`). Both evaluate the current params (with a ResNet image
+tower's running statistics) in fp32 compute, on the run's model at its image size, over the trainer's mesh; every
+process gets the same numbers.
+"""
+
+import functools
+from collections.abc import Callable
+
+from clip_jax.interop.pretrained import model_at_image_size
+from clip_jax.models import create_model
+
+ZEROSHOT, VALIDATION = "zeroshot", "validation"
+
+
+def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:
+    """Whether an evaluation run every `frequency` epochs (0: never during training) is due after `step`."""
+    if not frequency or step == total_steps or step % steps_per_epoch:
+        return False
+    return (step // steps_per_epoch) % frequency == 0
+
+
+def eval_batch_size(mesh) -> int:
+    """The global batch of zero-shot evaluation and validation: about 256 images, a multiple of the devices."""
+    return max(mesh.size, (256 // mesh.size) * mesh.size)
+
+
+def open_zeroshot_evaluator(config, mesh):
+    """The zero-shot evaluator of `config.zeroshot_data` ("demo", a CLIP_benchmark classification folder, or an
+    ImageNet validation folder), its first `zeroshot_samples` images when set."""
+    from clip_jax.evaluation import ZeroShotEvaluator, clip_benchmark, open_classification_set
+
+    if config.zeroshot_data != "demo" and clip_benchmark.is_dataset_folder(config.zeroshot_data):
+        dataset = clip_benchmark.open_training_set(config.zeroshot_data)
+    else:
+        kind, location = ("demo", None) if config.zeroshot_data == "demo" else ("imagenet-val", config.zeroshot_data)
+        dataset = open_classification_set(kind, location)
+    if config.zeroshot_samples:
+        dataset = dataset.head(config.zeroshot_samples)
+    return ZeroShotEvaluator(create_model(model_at_image_size(config)), dataset, mesh,
+                             batch_size=eval_batch_size(mesh), mean=tuple(config.image_mean),
+                             std=tuple(config.image_std))
+
+
+class Evaluations:
+    """The run's evaluations; `say` prints a result line (process 0's console). The validation set is read now, so
+    a bad one stops the run before it trains; the zero-shot set, its prompts and compiled towers at first use."""
+
+    def __init__(self, config, mesh, *, steps_per_epoch: int, total_steps: int, loss_batch_size: int,
+                 say: Callable[[str], None]):
+        self.config, self.mesh, self.say = config, mesh, say
+        self.steps_per_epoch, self.total_steps, self.loss_batch_size = steps_per_epoch, total_steps, loss_batch_size
+        self.val_set = None
+        if config.val_data:
+            from clip_jax.evaluation.validation import open_validation_set
+
+            self.val_set = open_validation_set(config.val_data, config.val_num_samples)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The evaluations this run makes."""
+        return ((ZEROSHOT,) if self.config.zeroshot_data else ()) + ((VALIDATION,) if self.val_set is not None else ())
+
+    def due(self, step: int) -> tuple[str, ...]:
+        """The evaluations due after `step`."""
+        frequency = {ZEROSHOT: self.config.zeroshot_frequency, VALIDATION: self.config.val_frequency}
+        return tuple(name for name in self.names
+                     if epoch_due(step, self.steps_per_epoch, frequency[name], self.total_steps))
+
+    def run(self, names, weights, step: int) -> dict[str, float]:
+        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, ... of `weights` (params, or a ResNet's eval variables)."""
+        results = {}
+        for name in names:
+            results.update(self.zeroshot(weights, step) if name == ZEROSHOT else self.validate(weights, step))
+        return results
+
+    @functools.cached_property
+    def zeroshot_evaluator(self):
+        return open_zeroshot_evaluator(self.config, self.mesh)
+
+    def zeroshot(self, weights, step: int) -> dict[str, float]:
+        evaluator = self.zeroshot_evaluator
+        result = {f"zeroshot_{k}": float(v) for k, v in evaluator(weights).items() if k.startswith("top")}
+        self.say(f"zero-shot on {evaluator.dataset.name} at step {step}: " +
+                 ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        return result
+
+    @functools.cached_property
+    def val_model(self):
+        return create_model(model_at_image_size(self.config))  # fp32 compute on the run's params, as zero-shot
+
+    def validate(self, weights, step: int) -> dict[str, float]:
+        """Contrastive loss and retrieval recall@1/5/10 on `val_data`, as `val_*` metrics."""
+        from clip_jax.evaluation.validation import validate
+
+        c = self.config
+        metrics = validate(self.val_model, weights, self.val_set, self.mesh, batch_size=eval_batch_size(self.mesh),
+                           loss_batch_size=self.loss_batch_size, mean=tuple(c.image_mean), std=tuple(c.image_std),
+                           loss=c.loss)
+        result = {f"val_{k}": float(v) for k, v in metrics.items() if k != "num_images"}
+        self.say(f"validation on {metrics['num_images']} images at step {step}: " +
+                 ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        return result
