@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from clip_jax.data import make_shards  # noqa: E402
 from clip_jax.training import trainer as train_lib  # noqa: E402
-from clip_jax.training.config import default_config  # noqa: E402
+from clip_jax.training.config_checks import default_config  # noqa: E402
 
 MODEL = {
     "embed_dim": 32,

@@ -7,7 +7,7 @@ It ends with a zero-shot top-1 on the 10,000 held-out test images (chance: 10%).
 
 import os
 
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

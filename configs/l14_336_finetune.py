@@ -10,7 +10,7 @@ Export the result with `python -m clip_jax.export logs/l14-336-finetune OUT_DIR`
 `local-dir:OUT_DIR` at 336 px.
 """
 
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 
 def get_config():

@@ -9,7 +9,7 @@
 The same command resumes after preemption (resume="latest").
 """
 
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 
 def get_config():

@@ -17,7 +17,8 @@ GPU's 224.
 Images are normalised with OpenAI's mean and std, as OpenCLIP does for its RN models (the default config's).
 """
 
-from clip_jax.training.config import OPENAI_MEAN, OPENAI_STD, default_config
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.run_config import default_config
 
 
 def get_config():

@@ -395,7 +395,7 @@ def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_p
     from trainer_run import tiny_config
 
     from clip_jax.runtime.mesh import create_mesh
-    from clip_jax.training.config import check_config
+    from clip_jax.training.config_checks import check_config
     from clip_jax.training.evaluations import open_zeroshot_evaluator
 
     folder = setup["collection"] / "vtab" / "fashion"
@@ -415,7 +415,7 @@ def test_a_trainer_evaluates_a_clip_benchmark_dataset(setup, ours, params, tmp_p
 def test_check_config_refuses_a_benchmark_folder_it_cannot_evaluate(setup, tmp_path, dataset, message):
     from trainer_run import tiny_config
 
-    from clip_jax.training.config import check_config
+    from clip_jax.training.config_checks import check_config
 
     folder = setup["collection"] / dataset
     if dataset == "broken":

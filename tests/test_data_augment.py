@@ -13,7 +13,8 @@ from PIL import Image
 
 from clip_jax import data
 from clip_jax.data import train_config, transforms
-from clip_jax.training.config import check_config, default_config
+from clip_jax.run_config import default_config
+from clip_jax.training.config_checks import check_config
 
 MEAN, STD = (0.48, 0.45, 0.40), (0.27, 0.26, 0.28)
 

@@ -15,7 +15,8 @@ from PIL import Image
 from clip_jax import data
 from clip_jax.data import check, filter_expression, filters, shards, webdataset
 from clip_jax.ops.writers import progress_line
-from clip_jax.training.config import check_config, default_config
+from clip_jax.run_config import default_config
+from clip_jax.training.config_checks import check_config
 
 EXPRESSION = "punsafe < 0.5 and NSFW != 'NSFW' and similarity >= 0.28"
 

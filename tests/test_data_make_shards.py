@@ -264,7 +264,7 @@ def refuse(event, args):
     if (event == "open" and isinstance(args[2], int) and args[2] & WRITES) or event == "os.mkdir":
         raise AssertionError(f"loading configs/demo.py wrote: {event} {args[:2]}")
 from ml_collections import config_flags  # noqa: F401 - what the trainer loads configs with, imported beforehand
-import clip_jax.training.config
+import clip_jax.run_config
 sys.addaudithook(refuse)
 import importlib.util
 spec = importlib.util.spec_from_file_location("demo", "configs/demo.py")

@@ -188,7 +188,7 @@ def test_steps_per_epoch(tmp_path):
 
 
 def test_the_data_config_comes_from_the_run_config():
-    from clip_jax.training.config import default_config
+    from clip_jax.run_config import default_config
 
     config = default_config()
     config.train_data, config.train_data_upsampling_factors = "/a/{0..9}.tar::/b/{0..9}.tar", "1::2"

@@ -15,7 +15,7 @@ from PIL import Image
 from clip_jax import data
 from clip_jax.data import check, filters, make_shards, parquet_filter, synthetic, webdataset
 from clip_jax.tokenizer import tokenize
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 MEAN_STD = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
 
@@ -261,7 +261,7 @@ def test_make_shards_pre_filters_parquet(tmp_path):
 
 
 def test_data_fields_a_synthetic_or_csv_run_would_not_use_are_named():
-    from clip_jax.training.config import check_config
+    from clip_jax.training.config_checks import check_config
 
     c = default_config()
     c.dataset_type, c.train_num_samples = "synthetic", 100

@@ -15,7 +15,8 @@ from clip_jax.models.flops import forward_flops, image_forward_flops, image_toke
 from clip_jax.models.layers import LayerNorm, Transformer
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
-from clip_jax.training.config import check_config, default_config
+from clip_jax.run_config import default_config
+from clip_jax.training.config_checks import check_config
 from clip_jax.training.loss import contrastive_loss_and_accuracy
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 from clip_jax.training.train_step import TrainState, patch_dropout_key

@@ -17,7 +17,7 @@ from clip_jax import plan as planner
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import forward_flops
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,7 @@ def test_bad_input_is_named_with_the_numbers(tiny_json):
 def test_command_line_plan_compiles_for_the_simulated_gpus(tmp_path, tiny_json):
     config_file = tmp_path / "tiny_run.py"
     config_file.write_text(
-        "from clip_jax.training.config import default_config\n"
+        "from clip_jax.run_config import default_config\n"
         "def get_config():\n"
         "    c = default_config()\n"
         f"    c.model = {tiny_json!r}\n"

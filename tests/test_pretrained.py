@@ -21,7 +21,8 @@ from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.optim.lock import LockSpec, trainable_mask
 from clip_jax.runtime.mesh import create_mesh
-from clip_jax.training.config import check_config, default_config
+from clip_jax.run_config import default_config
+from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 TINY_48 = {**TINY, "vision_cfg": {**TINY["vision_cfg"], "image_size": 48}}

@@ -23,7 +23,7 @@ from clip_jax.ops import report as report_lib
 from clip_jax.runtime import storage
 from clip_jax.runtime.checkpoints import RunCheckpoints, latest_complete_step, read_params, resolve_resume
 from clip_jax.training import trainer as train_lib
-from clip_jax.training.config import check_config
+from clip_jax.training.config_checks import check_config
 
 BUCKET = "clip-runs"
 STOP_AT = 10  # the stopped run saves here; 16 steps in all, a checkpoint every 4, the newest 2 kept

@@ -5,11 +5,11 @@ import jax
 import pytest
 
 from clip_jax import plan as planner
-from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import forward_flops, image_forward_flops, resnet_image_macs
 from clip_jax.runtime.mesh import create_mesh
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import StepSpec
 
 # Every stage with its own block count, the stem's stride-2 conv and shortcut convs of both kinds (a width change in

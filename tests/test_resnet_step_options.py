@@ -14,7 +14,7 @@ from clip_jax.models import create_model, init_variables
 from clip_jax.optim.adamw import LOGIT_SCALE_MAX
 from clip_jax.optim.lock import LockSpec
 from clip_jax.runtime.mesh import make_global_batch
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, lock_spec, mesh_for
 
 # Width 16, so the last stage's kernels (1x1x128x512, 3x3x128x128) and the attention pool's projections exceed

@@ -21,7 +21,7 @@ from clip_jax.ops import report as report_lib
 from clip_jax.ops import run_outputs
 from clip_jax.ops.device_telemetry import Telemetry
 from clip_jax.training import trainer as train_lib
-from clip_jax.training.config import check_config
+from clip_jax.training.config_checks import check_config
 
 GPUS = [dict(util=81, used=20e9, total=80e9, temp=55, power=300_000)] * 2
 

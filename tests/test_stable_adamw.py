@@ -9,7 +9,8 @@ import pytest
 
 from clip_jax.optim.adamw import create_optimizer
 from clip_jax.optim.stable_adamw import stable_adamw
-from clip_jax.training.config import check_config, default_config
+from clip_jax.run_config import default_config
+from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 
 B1, B2, EPS, WD, LR = 0.9, 0.98, 1e-6, 0.2, 1e-2

@@ -22,7 +22,7 @@ from clip_jax.ops import run_outputs
 from clip_jax.ops.writers import MetricsWindow
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, replicated
 from clip_jax.training import trainer as train_lib
-from clip_jax.training.config import check_config
+from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_reads import local_values
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

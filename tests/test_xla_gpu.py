@@ -23,7 +23,7 @@ from clip_jax.models import create_model, get_model_config, init_params, is_resn
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import GPUS, get_gpu
 from clip_jax.runtime.mesh import create_mesh, state_shardings
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 from clip_jax.training.train_step import init_train_state
 
@@ -240,7 +240,7 @@ def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_pat
     model_file = tmp_path / "tiny.json"
     model_file.write_text(__import__("json").dumps(TINY))
     config_file = tmp_path / "tiny_run.py"
-    config_file.write_text("from clip_jax.training.config import default_config\n"
+    config_file.write_text("from clip_jax.run_config import default_config\n"
                            "def get_config():\n"
                            "    c = default_config()\n"
                            f"    c.update(model={str(model_file)!r}, batch_size=2, train_num_samples=1000, epochs=1,\n"

@@ -3,7 +3,7 @@
 import json
 import os
 
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 
 def get_config():

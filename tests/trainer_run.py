@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from clip_jax.training.config import default_config
+from clip_jax.run_config import default_config
 
 
 def tiny_config(data, logs, **overrides):

@@ -6,7 +6,7 @@ Training (one call per process)::
 
     cfg = data.TrainDataConfig(shards="/data/laion2B-en/{00000..23295}.tar", resampled=True,
                                train_num_samples=200_000_000, workers=6, seed=0)
-    # or, from a run config (clip_jax.training.config): data.TrainDataConfig.from_run_config(config)
+    # or, from a run config (clip_jax.run_config): data.TrainDataConfig.from_run_config(config)
     shards = data.resolve_train_shards(cfg)  # once; writes the demo's shards first when cfg.make_from says so
     data.steps_per_epoch(cfg, 86_016, shards)  # virtual epoch length in steps
     it = data.build_train_iterator(cfg, shard_list=shards, global_batch_size=86_016, image_size=224,

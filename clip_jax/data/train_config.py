@@ -53,7 +53,7 @@ class TrainDataConfig:
 
     @classmethod
     def from_run_config(cls, config: Any, *, seed: int | None = None) -> "TrainDataConfig":
-        """The data part of a run config (``clip_jax.training.config``); ``seed`` replaces ``config.seed`` (the data
+        """The data part of a run config (``clip_jax.run_config``); ``seed`` replaces ``config.seed`` (the data
         seed of a run resumed without its data position)."""
         return cls(
             shards=config.train_data, weights=config.train_data_upsampling_factors or None,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD  # noqa: F401 - the data package's names for them
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD  # noqa: F401 - the data package's names for them
 
 TRAIN_SCALE = (0.9, 1.0)
 TRAIN_RATIO = (3 / 4, 4 / 3)

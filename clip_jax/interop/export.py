@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop.pretrained import (
     EXPORT_CONFIG,

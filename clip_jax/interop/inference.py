@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from clip_jax.data.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput
 
 LOCAL_DIR = "local-dir:"

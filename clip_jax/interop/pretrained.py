@@ -39,7 +39,7 @@ def model_at_image_size(config) -> CLIPConfig:
     """The model a training config names, at its `force_image_size` when set (OpenCLIP's --force-image-size:
     pretrained weights for another size get their positional embedding resized on load)."""
     model = get_model_config(config.model)
-    size = config.get("force_image_size") or 0
+    size = config.force_image_size
     if size:
         model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, image_size=int(size)))
     return model
@@ -49,9 +49,9 @@ def run_model_config(config) -> CLIPConfig:
     """The model a training config trains, as its step is built: at its image size, with OpenCLIP's --siglip head
     for the sigmoid loss (unless the model has a logit_bias) and its `force_patch_dropout` (a ViT's)."""
     model = model_at_image_size(config)
-    if config.get("loss", "clip") == "siglip":
+    if config.loss == "siglip":
         model = with_siglip_head(model)
-    rate = config.get("force_patch_dropout")
+    rate = config.force_patch_dropout
     if rate is not None and rate >= 0 and not is_resnet(model):
         model = with_patch_dropout(model, rate)
     return model
@@ -156,8 +156,9 @@ def run_directory(path: str) -> str | None:
 
 
 def read_run_config(path: str):
-    """The training config (a ConfigDict) of the run `path` names (see `run_directory`)."""
-    import ml_collections
+    """The training config (a ConfigDict) of the run `path` names (see `run_directory`), with every field: those
+    the run's version of clip_jax did not have yet at their defaults."""
+    from clip_jax.run_config import saved_run_config
 
     run_dir = run_directory(path)
     if run_dir is None:
@@ -165,7 +166,7 @@ def read_run_config(path: str):
     config_path = os.path.join(run_dir, RUN_CONFIG)
     try:
         with open(config_path) as f:
-            return ml_collections.ConfigDict(json.load(f))
+            return saved_run_config(json.load(f))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInput(f"{config_path} is not valid JSON: {e}") from None
 

@@ -19,7 +19,8 @@ from clip_jax.models.config import BlockConfig
 
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
 LOGIT_SCALE_MAX = math.log(100.0)  # the clamp of scaled cosine attention's per-head scale (OpenCLIP's ln(1 / 0.01))
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "cudnn")  # what `jax.nn.dot_product_attention` takes (None: JAX chooses)
+ATTENTION_CHOICES = ("auto", "xla", "cudnn")  # a training config's attention_impl ("auto": `choose_attention_impl`)
 # cuDNN's fused attention takes sequence lengths that are multiples of this (ViT-L/14's 257 tokens and the text
 # tower's 77 are not): `attention` pads to it and masks the padding.
 CUDNN_SEQ_MULTIPLE = 8
@@ -35,8 +36,8 @@ def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | Non
     if asked == "auto":
         sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
-    if asked is None or asked not in ATTENTION_IMPLS:
-        raise InvalidInput(f"attention_impl={asked!r}: choose auto, xla or cudnn")
+    if asked not in ATTENTION_CHOICES:
+        raise InvalidInput(f"attention_impl={asked!r}: choose one of {ATTENTION_CHOICES}")
     return asked
 
 

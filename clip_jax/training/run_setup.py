@@ -24,7 +24,7 @@ from clip_jax.runtime.checkpoints import (
     resolve_resume,
     saved_process_count,
 )
-from clip_jax.training.config import report_targets
+from clip_jax.training.config_checks import report_targets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,17 +130,17 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
-        optimizer = OptimizerSpec(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup,
+        optimizer = OptimizerSpec(config.opt, lr=config.lr, warmup=config.warmup,
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
-        force_patch_dropout = config.get("force_patch_dropout")
+        force_patch_dropout = config.force_patch_dropout
         return cls(run_model_config(config), precision,
                    config.remat_policy if config.grad_checkpointing else "none",
                    choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
                    else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
-                   telemetry_every=config.log_every_n_steps if config.get("spike_telemetry", False) else 0)
+                   telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0)
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -170,12 +170,10 @@ def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.A
 
 
 def lock_spec(config) -> LockSpec:
-    """The towers a training config locks (fields absent from older configs: nothing locked)."""
-    return LockSpec(image=bool(config.get("lock_image", False)),
-                    image_unlocked_groups=int(config.get("lock_image_unlocked_groups", 0)),
-                    image_freeze_bn_stats=bool(config.get("lock_image_freeze_bn_stats", False)),
-                    text=bool(config.get("lock_text", False)),
-                    text_unlocked_layers=int(config.get("lock_text_unlocked_layers", 0)))
+    """The towers a training config locks."""
+    return LockSpec(image=bool(config.lock_image), image_unlocked_groups=int(config.lock_image_unlocked_groups),
+                    image_freeze_bn_stats=bool(config.lock_image_freeze_bn_stats), text=bool(config.lock_text),
+                    text_unlocked_layers=int(config.lock_text_unlocked_layers))
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
@@ -268,11 +266,6 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
             partial(step_telemetry, b2=spec.optimizer.b2, eps=spec.optimizer.eps), spec.telemetry_every)
     freeze = partial(stop_locked_gradients, lock=spec.lock, image_layers=spec.model.vision.layers,
                      text_layers=spec.model.text.layers) if spec.lock.any else None
-    # a locked ResNet tower's BatchNorm: eval mode only with --lock-image-freeze-bn-stats, else train mode (the
-    # running statistics move, the params stay: `freeze`), as OpenCLIP's
-    image_eval_mode = is_resnet(spec.model) and spec.lock.image_freeze_bn_stats  # LockSpec: only with lock.image
-    update = make_train_step(model, optimizer, learning_rate_fn, mesh, shardings, fsdp=spec.fsdp,
-                             accum_steps=spec.accum_steps, loss=spec.loss,
-                             patch_dropout=spec.model.vision.patch_dropout, seed=spec.seed, telemetry=telemetry,
-                             freeze=freeze, image_eval_mode=image_eval_mode)
+    update = make_train_step(spec, model, optimizer, learning_rate_fn, mesh, shardings, telemetry=telemetry,
+                             freeze=freeze)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

@@ -260,49 +260,34 @@ def accumulated_grads(
     return loss, accuracy, logit_params, grads, new_stats
 
 
-def make_train_step(
-    model,
-    optimizer: optax.GradientTransformation,
-    learning_rate_fn: Callable,
-    mesh: Mesh,
-    shardings: TrainState,
-    *,
-    fsdp: bool,
-    accum_steps: int = 1,
-    loss: str = "clip",
-    patch_dropout: float = 0.0,
-    seed: int = 0,
-    telemetry: Callable | None = None,
-    freeze: Callable | None = None,
-    image_eval_mode: bool = False,
-) -> Callable:
-    """The jitted `step(state, batch) -> (state, metrics)`; the old state is donated. Assembled for a config by
-    `clip_jax.training.step_factory.build_step`.
+def make_train_step(spec, model, optimizer: optax.GradientTransformation, learning_rate_fn: Callable, mesh: Mesh,
+                    shardings: TrainState, *, telemetry: Callable | None = None,
+                    freeze: Callable | None = None) -> Callable:
+    """The jitted `step(state, batch) -> (state, metrics)` of `spec` (a `clip_jax.training.step_factory.StepSpec`:
+    its `fsdp`, `accum_steps`, `loss`, the model's patch dropout, `seed` and lock); the old state is donated.
+    Assembled by `clip_jax.training.step_factory.build_step`, which builds `model` and `optimizer` from the spec.
 
-    `shardings`: the train state's shardings (split under `fsdp`, else replicated). `loss`: a name of
-    `clip_jax.training.loss.LOSSES`, "clip" (softmax) or "siglip" (sigmoid: the model needs a `logit_bias`). metrics:
-    `loss`, `accuracy` (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in
-    this step), `logit_bias` (when the model has one), `grad_norm` (global norm before clipping), `learning_rate` (of
-    this update), `finite` (False when the update was skipped for a non-finite loss or gradient).
-    `patch_dropout`: the fraction of image patches dropped per sample (see the module docstring); `seed`: the run's
-    seed, from which each step's kept patches are drawn. `freeze`: params -> params with the gradients into locked
-    params stopped (`clip_jax.optim.lock.stop_locked_gradients`), so the backward skips them; their gradients are 0.
-    `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics returned as
-    `metrics["telemetry"]` (`clip_jax.training.spike_telemetry`: computed on logging steps only, zeros on the others).
-    `image_eval_mode`: a ResNet image tower's BatchNorm normalises with its running statistics and leaves them as
-    they are (a locked tower: see the module docstring); otherwise it runs in train mode.
+    `shardings`: the train state's shardings (split under `spec.fsdp`, else replicated). metrics: `loss`, `accuracy`
+    (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
+    `logit_bias` (when the model has one), `grad_norm` (global norm before clipping), `learning_rate` (of this
+    update), `finite` (False when the update was skipped for a non-finite loss or gradient). Each step's kept
+    patches are drawn from (`spec.seed`, step) (see the module docstring). `freeze`: params -> params with the
+    gradients into locked params stopped (`clip_jax.optim.lock.stop_locked_gradients`), so the backward skips them;
+    their gradients are 0. `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics
+    returned as `metrics["telemetry"]` (`clip_jax.training.spike_telemetry`: computed on logging steps only, zeros
+    on the others). A ResNet image tower locked with `spec.lock.image_freeze_bn_stats` runs its BatchNorm in eval
+    mode (see the module docstring); otherwise in train mode.
     """
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-    if loss not in LOSSES:
-        raise ValueError(f"loss {loss!r}: choose one of {tuple(LOSSES)}")
-    if loss == "siglip" and model.config.init_logit_bias is None:
-        raise ValueError(f"loss 'siglip' needs a model with a logit_bias, and {model.config.name!r} has none: set "
-                         "init_logit_bias in its config (StepSpec does, as OpenCLIP's --siglip)")
+    accum_steps, loss, seed = spec.accum_steps, spec.loss, spec.seed
+    patch_dropout = spec.model.vision.patch_dropout
+    image_eval_mode = is_resnet(spec.model) and spec.lock.image_freeze_bn_stats
+    fsdp = spec.fsdp
+    # StepSpec has checked these; a step built another way is a bug
+    assert accum_steps >= 1 and loss in LOSSES, (accum_steps, loss)
+    assert not (loss == "siglip" and model.config.init_logit_bias is None), "the sigmoid loss needs a logit_bias"
     n_shards = data_parallel_size(mesh)
     batch_norm = is_resnet(model.config)
-    if batch_norm and patch_dropout > 0:
-        raise ValueError("a ResNet image tower has no patches to drop (StepSpec refuses patch dropout for it)")
+    assert not (batch_norm and patch_dropout > 0), "a ResNet image tower has no patches to drop"
     if batch_norm:
         forward = make_forward(model, mesh, fsdp=fsdp, batch_norm="running" if image_eval_mode else "batch")
     else:

@@ -32,7 +32,7 @@ from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.runtime.processes import initialize_from_environment
 from clip_jax.training import spike_telemetry
-from clip_jax.training.config import check_config, report_targets
+from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
 from clip_jax.training.preemption import StopSignal
 from clip_jax.training.run_setup import check_run_locations, plan_run_start, run_entries
@@ -116,7 +116,7 @@ class Trainer:
             self.skipped_updates, self.rollbacks = meta.skipped_updates, meta.rollbacks
             self._say(f"resumed {directory}/{step} (saved under {meta.precision}, continuing under "
                       f"{self.engine.spec.precision})")
-        elif config.get("pretrained"):
+        elif config.pretrained:
             self.state = self._pretrained_state(config.pretrained)
         else:
             self.state = self.engine.init(config.seed)
