@@ -33,7 +33,8 @@ def run_layout(processes: int, args, logs: pathlib.Path) -> dict:
     name = f"{processes}x{DEVICES // processes}"
     command = [
         sys.executable, str(REPO / "launch" / "local.py"), str(processes),
-        "--devices-per-process", str(DEVICES // processes), "--log-dir", str(logs / f"{name}-ranks"), "--",
+        "--devices-per-process", str(DEVICES // processes), "--log-dir", str(logs / f"{name}-ranks"),
+        *(["--loopback-mtu", str(args.loopback_mtu)] if args.loopback_mtu else []), "--",
         sys.executable, "-m", "clip_jax.train", f"--config={REPO}/configs/demo.py", f"--config.name={name}",
         f"--config.logs={logs}", f"--config.train_data={args.data}/train/{{00000..00011}}.tar",
         f"--config.batch_size={args.batch}", f"--config.train_num_samples={args.steps * args.batch * DEVICES}",
@@ -74,6 +75,8 @@ def main() -> None:
                         help="the demo's shards: written by the first run, then reused")
     parser.add_argument("--label", default="", help="appended to the result file's name (e.g. before)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--loopback-mtu", type=int, default=0,
+                        help="launch/local.py --loopback-mtu (e.g. 16384): the ranks on a private loopback")
     args = parser.parse_args()
     if args.steps < 2 * args.log_every + 1:
         parser.error("--steps must leave at least one log window after the first")

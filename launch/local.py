@@ -6,11 +6,18 @@ The way to try a multi-process launch before booking nodes. Each process gets CL
 CLIP_JAX_NUM_PROCESSES and CLIP_JAX_PROCESS_ID (clip_jax.runtime.processes reads them), its own simulated CPU
 devices, and a log file LOG_DIR/rank-I.log; rank 0 also prints to this terminal. When one process fails the
 others are stopped and the launcher exits with the first failure's status.
+
+`--loopback-mtu 16384` runs the ranks in a network namespace of their own whose loopback has that MTU (Linux,
+root or unprivileged user namespaces). On loopback's default 64 KB MTU the ranks' gloo sockets can stall on TCP's
+delayed acknowledgements, one 64 KB segment every 40 ms: the tiny demo step at 16 images per device took 24 s as
+2 x 2 devices against 0.5 s as 1 x 4, and 1.2 s with this option (benchmarks/RESULTS.md, section 17). Nothing in the
+namespace reaches other hosts (a W&B run there must be offline); real multi-node networks are not affected.
 """
 
 import argparse
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,6 +47,9 @@ def parse_args(argv):
                         help="seconds before the others give up on a dead process")
     parser.add_argument("--log-dir", default="logs/local-launch", help="per-rank log files go here")
     parser.add_argument("--dry-run", action="store_true", help="print each rank's command and environment")
+    parser.add_argument("--loopback-mtu", type=int, default=0, metavar="BYTES",
+                        help="run the ranks in a private network namespace whose loopback has this MTU (e.g. 16384: "
+                        "gloo on the default 64 KB loopback can stall; see the module docstring)")
     parser.epilog = "after --: the command each process runs, e.g. -- python -m clip_jax.train --config ..."
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -51,8 +61,38 @@ def parse_args(argv):
     return args, command
 
 
+def in_private_loopback(argv: list[str], mtu: int) -> list[str]:
+    """The command that runs this launcher again with `argv` inside a new network namespace whose loopback is up
+    with MTU `mtu` (`unshare`, as root; else in a new user namespace too, where the kernel allows it)."""
+    setup = f"ip link set lo up && ip link set lo mtu {int(mtu)} && exec \"$@\""
+    relaunch = [sys.executable, os.path.abspath(__file__), *argv]
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return ["unshare", "--net", *user, "--", "sh", "-c", setup, "sh", *relaunch]
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without `name VALUE` / `name=VALUE` before the `--` that starts the command."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    head, kept, skip = argv[:split], [], False
+    for arg in head:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            kept.append(arg)
+    return kept + argv[split:]
+
+
 def main(argv=None) -> int:
-    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, command = parse_args(argv)
+    if args.loopback_mtu and not args.dry_run:
+        inner = in_private_loopback(without_option(argv, "--loopback-mtu"), args.loopback_mtu)
+        done = subprocess.run(inner)
+        if done.returncode and shutil.which("unshare") is None:
+            print("launch/local.py: --loopback-mtu needs util-linux's unshare and iproute2's ip", file=sys.stderr)
+        return done.returncode
     port = args.port or free_port()
     envs = [rank_env(os.environ, r, args.num_processes, port, args.devices_per_process, args.heartbeat_timeout)
             for r in range(args.num_processes)]

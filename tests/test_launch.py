@@ -86,6 +86,21 @@ def test_local_launcher_dry_run_gives_each_rank_its_coordinates():
         assert line.endswith("python -m clip_jax.train --config configs/demo.py")
 
 
+def test_local_launcher_can_run_the_ranks_on_a_loopback_of_their_own(tmp_path):
+    """`--loopback-mtu`: every rank sees loopback with that MTU (one namespace for all, so they still reach each
+    other on 127.0.0.1); where the kernel refuses a network namespace, the launch fails naming unshare."""
+    command = [sys.executable, os.path.join(REPO, "launch", "local.py"), "2", "--loopback-mtu", "16384",
+               "--log-dir", str(tmp_path), "--", "ip", "-o", "link", "show", "lo"]
+    allowed = subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True)
+    if allowed:
+        assert result.returncode == 0, result.stderr
+        for output in (result.stdout, (tmp_path / "rank-1.log").read_text()):
+            assert " mtu 16384 " in output, output
+    else:
+        assert result.returncode != 0 and "unshare" in result.stderr
+
+
 def test_local_launcher_needs_a_command():
     result = subprocess.run([sys.executable, os.path.join(REPO, "launch", "local.py"), "2"], capture_output=True,
                             text=True)
