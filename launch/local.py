@@ -9,9 +9,9 @@ others are stopped and the launcher exits with the first failure's status.
 
 `--loopback-mtu 16384` runs the ranks in a network namespace of their own whose loopback has that MTU (Linux,
 root or unprivileged user namespaces). On loopback's default 64 KB MTU the ranks' gloo sockets can stall on TCP's
-delayed acknowledgements, one 64 KB segment every 40 ms: the tiny demo step at 16 images per device took 24 s as
-2 x 2 devices against 0.5 s as 1 x 4, and 1.2 s with this option (benchmarks/RESULTS.md, section 17). Nothing in the
-namespace reaches other hosts (a W&B run there must be offline); real multi-node networks are not affected.
+delayed acknowledgements, one 64 KB segment every 40 ms, and a small step takes many times as long as in one
+process (benchmarks/RESULTS.md section 17). Nothing in the namespace reaches other hosts (a W&B run there must be
+offline); real multi-node networks are not affected.
 """
 
 import argparse

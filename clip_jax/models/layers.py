@@ -30,9 +30,9 @@ Dtype = Any
 
 def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | None:
     """The kernel for the config's `attention_impl` ("auto", "xla" or "cudnn") on a `platform` ("gpu", "cpu"):
-    "auto" is cuDNN's fused attention on a GPU with 16-bit compute (ViT-L/14 bf16 on an H200, remat
-    nothing_saveable: 552 samples/s against 419 with XLA's, which without remat runs out of memory at batch 256
-    where cuDNN's fits in 125 GiB), XLA's elsewhere (cuDNN takes no float32, and no other platform has it)."""
+    "auto" is cuDNN's fused attention on a GPU with 16-bit compute (the faster kernel for ViT-L/14 on an H200, and
+    the one that fits without remat: benchmarks/RESULTS.md section 8), XLA's elsewhere (cuDNN takes no float32, and
+    no other platform has it)."""
     if asked == "auto":
         sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if platform == "gpu" and sixteen_bit else "xla"

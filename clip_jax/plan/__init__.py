@@ -8,9 +8,9 @@ Measured and modelled, as the output labels them:
 - parameters: counted from the parameter tree;
 - memory per device: XLA's memory analysis of the train step `clip_jax.train` runs, compiled for the planned number
   of devices with abstract inputs, so nothing is allocated. With jaxlib's CUDA plugin installed (`.[gpu]`) XLA:GPU
-  compiles it for the planned GPU and topology without a GPU (`clip_jax.runtime.xla_gpu`; on an H200 its figures were
-  within 8% of the allocator's peak); otherwise XLA:CPU does, over one simulated device per GPU, whose fusions and
-  attention (no cuDNN) differ: an estimate that runs far higher (23.2 against 13.5 GiB for the reference step);
+  compiles it for the planned GPU and topology without a GPU (`clip_jax.runtime.xla_gpu`; how close it came to the
+  allocator's peak on an H200: benchmarks/RESULTS.md section 8); otherwise XLA:CPU does, over one simulated device
+  per GPU, whose fusions and attention (no cuDNN) differ: an estimate that runs far higher (RESULTS section 7);
 - the largest per-device batch: bisection on that compiled memory;
 - with XLA:GPU, the collectives of the step (count and bytes per device, loop trips counted) and cuDNN's fused
   attention;

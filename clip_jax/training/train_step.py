@@ -89,8 +89,7 @@ def make_forward(model, mesh: Mesh, *, fsdp: bool, batch_norm: str | None = None
     every activation stays split over the batch. Left to XLA's sharding propagation, a weight's split spreads
     into the activations instead: a kernel split on its output dimension makes XLA compute that matmul for the
     whole global batch, all-gathering the batch rather than the weight, and the memory per device then grows
-    with the device count (ViT-L-14, bf16, remat, batch 224 per device: 16.8 GiB on 8 devices, 38 GiB on 64;
-    replicated: 23.2 GiB).
+    with the device count (benchmarks/RESULTS.md section 7).
 
     The residual blocks are gathered one layer at a time, inside the scan (the model's `layer_params_hook`):
     under remat the backward gathers each layer again, so one layer's full weights are live at a time (ZeRO-3);
@@ -101,7 +100,7 @@ def make_forward(model, mesh: Mesh, *, fsdp: bool, batch_norm: str | None = None
     XLA:GPU all-reduce each layer's whole gradient and slice it: twice the traffic).
     The few leaves outside the blocks (embeddings, projections, final norms) are gathered once,
     at the start. (Gathering the whole tree at the start was simpler, but holds every full weight through the
-    step: ViT-L-14 as above, 18.5 GiB per device on 64 devices against 16.0 GiB layer by layer.) A ResNet image
+    step: more memory than layer by layer, RESULTS section 7.) A ResNet image
     tower has no scanned stack: its conv kernels are gathered once, at the start, like those leaves.
     """
     if batch_norm not in (None, "batch", "running"):
