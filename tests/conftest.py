@@ -1,6 +1,6 @@
 """Test set-up: eight simulated CPU devices, so sharded code runs as on a GPU node; jaxlib's CUDA plugin loads
-without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings). Also the tiny
-models and the random batch the tests share."""
+without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings); a private loopback
+and a session-wide XLA compilation cache. Also the tiny models and the random batch the tests share."""
 
 import copy
 import json
@@ -10,14 +10,22 @@ import tempfile
 
 import pytest
 
+import private_loopback
+
+# First, while this process has one thread: the multi-process tests' gloo sockets on a loopback that does not stall
+# (see private_loopback).
+PRIVATE_LOOPBACK = private_loopback.enter()
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.runtime.xla_gpu.prepare()
 
 # XLA's persistent compilation cache in a folder of this test session's own, shared by the trainer processes the
-# tests start (they inherit the environment): a program compiled once, however small, is read back by every later
-# test and process that builds the same one. Empty at the start of each session; removed at its end.
-_XLA_CACHE = tempfile.mkdtemp(prefix="clip_jax-tests-xla-cache-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+# tests start and by pytest-xdist's workers (they inherit the environment): a program compiled once, however small,
+# is read back by every later test and process that builds the same one. Empty at the start of each session; removed
+# at its end by the process that made it.
+_INHERITED_CACHE = os.environ.get("CLIP_JAX_TESTS_XLA_CACHE") if "PYTEST_XDIST_WORKER" in os.environ else None
+_XLA_CACHE = _INHERITED_CACHE or tempfile.mkdtemp(prefix="clip_jax-tests-xla-cache-")
+os.environ["CLIP_JAX_TESTS_XLA_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -56,5 +64,23 @@ def trainer_model_file(tmp_path_factory):
     return str(path)
 
 
+MARKERS = {
+    "slow": "takes more than a few seconds (a training run, a compile of a real-size model, processes): "
+            "pytest -m 'not slow' is the everyday loop",
+    "subprocess": "starts other processes (the trainer, joined ranks, a command line)",
+    "gpu_compile": "compiles for GPUs without one (deviceless XLA:GPU, jaxlib's CUDA plugin)",
+}
+
+
+def pytest_configure(config):
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
 def pytest_unconfigure(config):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if not _INHERITED_CACHE:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+def pytest_report_header(config):
+    return f"private loopback with MTU {private_loopback.MTU}: {'yes' if PRIVATE_LOOPBACK else 'no (not permitted)'}"
