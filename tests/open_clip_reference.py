@@ -52,3 +52,23 @@ def open_clip_features(model: torch.nn.Module, images: np.ndarray, tokens: np.nd
         image_f, text_f, scale = model(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
                                        torch.from_numpy(tokens).long())
     return image_f.numpy(), text_f.numpy(), float(scale)
+
+
+def open_clip_flops(name_or_config) -> tuple[int, int]:
+    """(image, text) FLOPs of one sample through OpenCLIP's own towers as torch's FlopCounterMode counts them: 2 a
+    multiply-add of every matmul and convolution, norms and softmax left out. The model is built on the meta
+    device, so nothing is allocated or computed. A convolution counts its zero padding too (the kernel at every
+    output cell), which clip_jax's count of a ResNet leaves out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = open_clip.get_model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    size, context = config["vision_cfg"]["image_size"], config["text_cfg"].get("context_length", 77)
+    with torch.device("meta"), torch.no_grad():
+        model = open_clip.CLIP(**config).eval()
+        counts = []
+        for encode, inputs in ((model.encode_image, torch.zeros(1, 3, size, size)),
+                               (model.encode_text, torch.zeros(1, context, dtype=torch.long))):
+            with FlopCounterMode(display=False) as counter:
+                encode(inputs)
+            counts.append(counter.get_total_flops())
+    return counts[0], counts[1]

@@ -52,19 +52,31 @@ def batch(random_batch):
 
 
 @pytest.fixture(scope="module")
-def steps(fp32_params, batch, policy_model):
-    """Per policy: (stablehlo of the step, state after one AdamW step, metrics), from the same weights."""
+def compiled_steps(fp32_params, batch, policy_model):
+    """Per policy: (the step, its lowering, the executable): one AdamW step at lr 1e-3 on every device."""
     mesh = create_mesh()
     results = {}
     for name in POLICIES:
         step = build_step(StepSpec(policy_model("fp32").config, name, optimizer=OptimizerSpec(lr=1e-3)), mesh)
         state = step.state_from_params(cast_params(fp32_params, get_policy(name)))
-        global_batch = make_global_batch(batch, mesh)
-        lowered = step.update.lower(state, global_batch)
-        state, metrics = lowered.compile()(state, global_batch)
-        stablehlo = lowered.as_text()
-        results[name] = (stablehlo, state, {k: float(v) for k, v in metrics.items()})
+        lowered = step.update.lower(state, make_global_batch(batch, mesh))
+        results[name] = (step, lowered, lowered.compile())
     return results
+
+
+def _run(compiled_steps, name, params, batch):
+    """(state after one step of policy `name` from `params` on `batch`, its metrics as floats)."""
+    step, _, executable = compiled_steps[name]
+    state, metrics = executable(step.state_from_params(cast_params(params, get_policy(name))),
+                                make_global_batch(batch, step.mesh))
+    return state, {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.fixture(scope="module")
+def steps(compiled_steps, fp32_params, batch):
+    """Per policy: (stablehlo of the step, state after one AdamW step, metrics), from the same weights."""
+    return {name: (compiled_steps[name][1].as_text(), *_run(compiled_steps, name, fp32_params, batch))
+            for name in POLICIES}
 
 
 def test_switching_policy_keeps_the_parameter_tree(policy_model):
@@ -111,11 +123,61 @@ def test_pure_bf16_policy_keeps_bf16_params(steps):
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
 
 
-@pytest.mark.parametrize("name, tolerance", [("bf16", 0.01), ("pure_bf16", 0.02)])
-def test_bf16_loss_is_close_to_fp32(steps, name, tolerance):
+# The loss of one step from the same weights, relative to fp32's: measured 5.2e-4 (bf16) and 1.8e-3 (pure_bf16)
+# here, at most 3.4e-3 over four seeds of the weights and batch; 1e-2 leaves 3x.
+@pytest.mark.parametrize("name", ["bf16", "pure_bf16"])
+def test_bf16_loss_is_close_to_fp32(steps, name):
     fp32_metrics, metrics = steps["fp32"][2], steps[name][2]
-    assert metrics["loss"] == pytest.approx(fp32_metrics["loss"], rel=tolerance)
+    assert metrics["loss"] == pytest.approx(fp32_metrics["loss"], rel=1e-2)
     assert metrics["loss"] != fp32_metrics["loss"]  # it did compute in another precision
+
+
+@pytest.fixture(scope="module")
+def rounded_fp32_step(compiled_steps, fp32_params, batch):
+    """(state, metrics) of the fp32 step from the weights and images rounded to bfloat16: the error that no
+    bfloat16 step avoids."""
+    to_bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    return _run(compiled_steps, "fp32", jax.tree.map(to_bf16, fp32_params),
+                {**batch, "images": to_bf16(batch["images"])})
+
+
+def _gradients_by_tower(state) -> dict[str, dict[str, np.ndarray]]:
+    """Adam's first moment after its first step, (1 - b1) times the gradient, leaf by leaf in float64: for the
+    image tower (`visual`) and for the rest (the text tower and the logit scale)."""
+    towers = {"visual": {}, "text": {}}
+    for path, mu in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]:
+        towers["visual" if path[0].key == "visual" else "text"][jax.tree_util.keystr(path)] = np.asarray(mu,
+                                                                                                          np.float64)
+    return towers
+
+
+def _distance(a: dict, b: dict) -> float:
+    return float(np.sqrt(sum(np.sum((a[k] - b[k]) ** 2) for k in a)))
+
+
+# The gradient of a bf16 step against fp32's, tower by tower (Frobenius norm of the difference over all its leaves),
+# as a multiple of the difference the fp32 step makes from bf16-rounded weights and images. Measured over four seeds
+# of the weights and batch (seed 0 is the one here): bf16 is 1.4-4.0% off fp32, pure_bf16 1.5-4.1%, the rounded
+# fp32 step 0.8-2.2%; the ratio 1.13-2.03 (1.63-1.76 here), so 3 leaves 1.5x. Each leaf's gradient is at most 7.8%
+# off its own norm (4.3% here: an MLP bias of the text tower), so 20% leaves 2.6x. Bugs the loss check above cannot
+# see fail it: the attention logits 5% too large in bfloat16 (towers 5.8x the rounding; loss still 0.7% off fp32),
+# the LayerNorm scales' gradient dropped in bfloat16 (the image tower 7.8x, the leaves 100% off; the loss
+# unchanged). LayerNorm statistics or the features' L2 norm taken in bfloat16 stay within the rounding here (at
+# most 1.9x): at these widths they cost what rounding the activations does.
+GRADIENT_ERROR = 3.0
+LEAF_GRADIENT_ERROR = 0.2
+
+
+@pytest.mark.parametrize("name", ["bf16", "pure_bf16"])
+def test_bf16_gradients_are_within_a_few_times_the_rounding_of_the_inputs_of_fp32s(steps, rounded_fp32_step, name):
+    expected = _gradients_by_tower(steps["fp32"][1])
+    got, rounded = _gradients_by_tower(steps[name][1]), _gradients_by_tower(rounded_fp32_step[0])
+    for tower in expected:
+        error, rounding = _distance(got[tower], expected[tower]), _distance(rounded[tower], expected[tower])
+        assert 0 < error <= GRADIENT_ERROR * rounding, (tower, error, rounding)
+        for leaf, grad in expected[tower].items():
+            leaf_error = np.linalg.norm(got[tower][leaf] - grad)
+            assert leaf_error <= LEAF_GRADIENT_ERROR * np.linalg.norm(grad), (leaf, leaf_error, np.linalg.norm(grad))
 
 
 def test_unknown_policy_is_named_in_the_error():

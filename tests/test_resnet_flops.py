@@ -2,12 +2,12 @@
 forward and train step, and the planner plans a ResNet run."""
 
 import jax
-import pytest
+from open_clip_reference import open_clip_flops
 
 from clip_jax import plan as planner
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.models import get_model_config
-from clip_jax.models.flops import forward_flops, image_forward_flops, resnet_image_macs
+from clip_jax.models.flops import image_forward_flops, resnet_image_macs
 from clip_jax.runtime.mesh import create_mesh
 from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import StepSpec
@@ -21,30 +21,51 @@ TINY_RN = {
 }
 
 
-def test_analytic_count_of_rn50_by_hand():
-    """RN50 at 224, its convolutions written out stage by stage (taps on the image only: a 3x3 conv with padding 1
-    on an n x n output reads (3n - 2)^2 taps per channel pair, the stem's stride-2 conv (3n - 1)^2)."""
-    taps3 = lambda n: (3 * n - 2) ** 2  # noqa: E731
-    stem = (3 * 112 - 1) ** 2 * 3 * 32 + taps3(112) * 32 * 32 + taps3(112) * 32 * 64
-    macs, channels, size = stem, 64, 56
-    for stage, blocks in enumerate((3, 4, 6, 3)):
-        planes = 64 * 2**stage
+def resnet_macs_by_hand(image_size: int, layers, width: int, embed_dim: int, *, as_open_clip_runs=False) -> int:
+    """Multiply-adds of one image through a ModifiedResNet, its convolutions written out stage by stage: the taps on
+    the image only (a 3x3 conv with padding 1 on an n x n output reads (3n - 2)^2 taps per channel pair, the stem's
+    stride-2 conv (3n - 1)^2), and the attention pool's one query, the mean token's. `as_open_clip_runs`: what
+    OpenCLIP's forward computes, as torch's FlopCounterMode counts it: every conv's 9 taps at every output cell,
+    padding included, and the pool's query, scores and output projection for every token, of which it keeps the
+    first."""
+    taps3 = (lambda n: (3 * n) ** 2) if as_open_clip_runs else (lambda n: (3 * n - 2) ** 2)  # noqa: E731
+    stem_taps = (lambda n: (3 * n) ** 2) if as_open_clip_runs else (lambda n: (3 * n - 1) ** 2)  # noqa: E731
+    size, half = image_size // 2, width // 2
+    macs = stem_taps(size) * 3 * half + taps3(size) * half * half + taps3(size) * half * width
+    channels, size = width, size // 2  # the stem's 2x2 average pool
+    for stage, blocks in enumerate(layers):
+        planes = width * 2**stage
         for block in range(blocks):
             out = size // 2 if (stage and not block) else size
             macs += size * size * channels * planes + taps3(size) * planes * planes + out * out * planes * 4 * planes
             if block == 0:
                 macs += out * out * channels * 4 * planes
             channels, size = 4 * planes, out
-    tokens, width = 7 * 7 + 1, 2048
-    macs += width * width + 2 * tokens * width * width + 2 * tokens * width + width * 1024
+    tokens, queries = size * size + 1, (size * size + 1 if as_open_clip_runs else 1)
+    return macs + queries * channels**2 + 2 * tokens * channels**2 + 2 * queries * tokens * channels + \
+        queries * channels * embed_dim
+
+
+def test_analytic_count_of_rn50_by_hand():
+    macs = resnet_macs_by_hand(224, (3, 4, 6, 3), 64, 1024)
     assert resnet_image_macs(get_model_config("RN50").vision, 1024) == macs
     assert image_forward_flops(get_model_config("RN50")) == 2 * macs
+    # the hand count's stages are OpenCLIP's: counted as OpenCLIP runs them, they are torch's count of its forward
+    assert 2 * resnet_macs_by_hand(224, (3, 4, 6, 3), 64, 1024, as_open_clip_runs=True) == open_clip_flops("RN50")[0]
+
+
+def tiny_rn_forward_flops() -> int:
+    """TINY_RN's forward FLOPs a sample: its image tower by hand, its text tower as torch counts OpenCLIP's."""
+    image = resnet_macs_by_hand(64, (1, 2, 1, 2), 16, 24)
+    open_clip_image, open_clip_text = open_clip_flops(TINY_RN)
+    assert 2 * resnet_macs_by_hand(64, (1, 2, 1, 2), 16, 24, as_open_clip_runs=True) == open_clip_image
+    return 2 * image + open_clip_text
 
 
 def test_xla_counts_of_the_compiled_programs_agree_with_the_analytic_count():
     spec = StepSpec(TINY_RN, "fp32")
     flops = planner.flops_per_sample(spec, create_mesh(jax.devices()[:1]), 4)
-    assert flops.forward_analytic == forward_flops(spec.model)
+    assert flops.forward_analytic == tiny_rn_forward_flops()
     # XLA also counts BatchNorm, ReLU, the pools, norms and softmax: more, by a few percent
     assert 1.0 <= flops.forward_xla / flops.forward_analytic < 1.05
     # and in the step BatchNorm's backward and the AdamW update of 1.6M params for 4 samples: 15% at this size
@@ -60,7 +81,7 @@ def test_the_planner_plans_a_resnet_run(tmp_path):
     result = planner.plan(c, "h100", 2, compiler="cpu", search_batch=False)
     memory = result.memory_per_device
     assert memory.fits and memory.total_bytes > memory.state_bytes > 0
-    assert result.flops_per_sample.forward_analytic == pytest.approx(forward_flops(get_model_config(str(model_file))))
+    assert result.flops_per_sample.forward_analytic == tiny_rn_forward_flops()
     assert result.parameters.image > 0 and result.setup.fsdp
 
 

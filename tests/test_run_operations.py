@@ -21,7 +21,8 @@ from clip_jax.ops import report as report_lib
 from clip_jax.ops import run_outputs
 from clip_jax.ops.device_telemetry import Telemetry
 from clip_jax.training import trainer as train_lib
-from clip_jax.training.config_checks import check_config
+from clip_jax.training.config_checks import check_config, report_targets
+from clip_jax.training.run_setup import run_entries
 
 GPUS = [dict(util=81, used=20e9, total=80e9, temp=55, power=300_000)] * 2
 
@@ -147,6 +148,16 @@ def test_bad_settings_are_one_clear_line(overrides, message, tmp_path):
     assert len(problems) == 1 and message in problems[0]
 
 
-def test_report_to_accepts_openclip_forms(tmp_path):
-    for value in ("none", "tensorboard", "wandb", "tensorboard,wandb", "wandb, tensorboard"):
-        check_config(tiny_config(("x.tar", "m.json"), tmp_path, report_to=value), num_devices=8)
+@pytest.mark.parametrize("value, targets", [
+    ("none", set()), ("", set()), ("tensorboard", {"tensorboard"}), ("wandb", {"wandb"}),
+    ("tensorboard,wandb", {"tensorboard", "wandb"}), ("wandb, tensorboard", {"tensorboard", "wandb"}),
+])
+def test_report_to_accepts_openclip_forms_and_each_names_its_writers(value, targets, tmp_path):
+    """Each of OpenCLIP's forms passes the checks and names the metrics targets the run writes to, and so the
+    entries its directory gets for them (a wrong name is refused in test_bad_settings_are_one_clear_line)."""
+    config = tiny_config(("x.tar", "m.json"), tmp_path, report_to=value)
+    check_config(config, num_devices=8)
+    assert set(report_targets(config.report_to)) == targets
+    entries = set(run_entries(config)) - {"config.json", "checkpoints", "metrics.jsonl"}
+    assert entries == ({"tensorboard"} if "tensorboard" in targets else set()) | (
+        {"wandb", "wandb_run_id"} if "wandb" in targets else set())
