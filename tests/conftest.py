@@ -8,9 +8,8 @@ import os
 import shutil
 import tempfile
 
-import pytest
-
 import private_loopback
+import pytest
 
 # First, while this process has one thread: the multi-process tests' gloo sockets on a loopback that does not stall
 # (see private_loopback).
@@ -80,6 +79,23 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if not _INHERITED_CACHE:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_shards(tmp_path_factory, trainer_model_file):
+    """`fashion_mnist_shards(n)`: (the pattern of the first `n` Fashion-MNIST training images, in shards of 256, and
+    the trainer tests' model file), as the trainer modules' `shards` fixtures give them. The 2,048 images are written
+    once a session; the first n // 256 shards are those `write_shards` makes of the first n images. Read only."""
+    from clip_jax.data import make_shards
+
+    folder = str(tmp_path_factory.mktemp("fashion-mnist-train"))
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=2048), folder, 256)
+
+    def first(n: int):
+        assert n % 256 == 0 and 512 <= n <= 256 * len(paths), n
+        return make_shards.shard_pattern(paths[:n // 256]), trainer_model_file
+
+    return first
 
 
 def pytest_report_header(config):

@@ -17,7 +17,6 @@ from PIL import Image
 from trainer_run import losses, tiny_config
 
 import clip_jax
-from clip_jax.data import make_shards
 from clip_jax.evaluation import zeroshot
 from clip_jax.interop import export
 from clip_jax.interop.pretrained import export_model_config, read_run_config
@@ -27,11 +26,9 @@ HALF = (0.5, 0.5, 0.5)  # the LAION recipe's mean and std, not OpenCLIP's defaul
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, trainer_model_file):
+def shards(fashion_mnist_shards):
     """1,024 Fashion-MNIST training images in 4 shards."""
-    out = str(tmp_path_factory.mktemp("shards"))
-    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=1024), out, 256)
-    return make_shards.shard_pattern(paths), trainer_model_file
+    return fashion_mnist_shards(1024)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +73,7 @@ def _assert_open_clip_agrees(folder, run_or_folder, texts=("a photo of a shoe", 
     np.testing.assert_allclose(text_f, expected_text, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_exported_run_loads_in_open_clip_with_its_preprocessing_and_features(base_run, exported):
     saved = json.loads((exported / "open_clip_config.json").read_text())
     assert saved["preprocess_cfg"] == {"size": 28, "mode": "RGB", "mean": list(HALF), "std": list(HALF),
@@ -85,6 +83,7 @@ def test_an_exported_run_loads_in_open_clip_with_its_preprocessing_and_features(
     _assert_open_clip_agrees(exported, str(base_run))  # clip_jax reads the run
 
 
+@pytest.mark.slow
 def test_the_export_folder_is_a_checkpoint_for_the_eval_script(shards, base_run, exported, tmp_path):
     reports = {}
     for name, checkpoint in (("run", base_run), ("export", exported)):
@@ -101,6 +100,7 @@ def test_the_export_folder_is_a_checkpoint_for_the_eval_script(shards, base_run,
     assert top1["export"] == top1["run"]
 
 
+@pytest.mark.slow
 def test_a_named_step_is_exported_and_bad_sources_get_one_line(base_run, tmp_path, capsys):
     assert export.main([str(base_run), str(tmp_path / "step80"), "--step", "80"]) == 0
     model = export.trained_model(read_run_config(str(base_run)))
@@ -115,6 +115,7 @@ def test_a_named_step_is_exported_and_bad_sources_get_one_line(base_run, tmp_pat
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fine_tuning_from_a_pretrained_run_continues_from_its_loss(shards, base_run, tmp_path):
     train_lib.train(tiny_config(shards, tmp_path, train_num_samples=512, lr=1e-4, warmup=1,
                                 pretrained=str(base_run), image_mean=HALF, image_std=HALF))
@@ -132,6 +133,7 @@ def test_fine_tuning_from_a_pretrained_run_continues_from_its_loss(shards, base_
         assert trainer.step == 8
 
 
+@pytest.mark.slow
 def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exported, tmp_path):
     """28 -> 42 px (as 224 -> 336 px) from the exported folder, the text tower locked; then exported again and
     loaded by OpenCLIP at the new size."""
@@ -155,6 +157,7 @@ def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exporte
     _assert_open_clip_agrees(out, None)
 
 
+@pytest.mark.slow
 def test_the_readme_example_prints_open_clips_label_and_probabilities(exported, tmp_path):
     """The README's example, run on an export, prints what OpenCLIP computes from the same folder: the label of the
     largest probability and the probabilities themselves."""

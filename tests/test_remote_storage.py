@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from trainer_run import tiny_config
 
-from clip_jax.data import make_shards
 from clip_jax.errors import MissingInput, RunFailed
 from clip_jax.ops import report as report_lib
 from clip_jax.runtime import storage
@@ -73,10 +72,9 @@ def losses_from_text(text: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, trainer_model_file):
-    out = str(tmp_path_factory.mktemp("shards"))
-    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=1024), out, 256)
-    return make_shards.shard_pattern(paths), trainer_model_file
+def shards(fashion_mnist_shards):
+    """1,024 Fashion-MNIST training images in 4 shards."""
+    return fashion_mnist_shards(1024)
 
 
 def stop_at(step):
@@ -115,6 +113,7 @@ def runs(s3, shards, tmp_path_factory):
             "steps_when_stopped": steps_when_stopped, "metrics_when_stopped": metrics_when_stopped}
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_on_the_bucket_ends_as_the_uninterrupted_one(runs):
     assert runs["resumed"]["step"] == 16
     local = jax.tree_util.tree_flatten_with_path(read_params(runs["local"]))[0]
@@ -124,6 +123,8 @@ def test_a_run_stopped_and_resumed_on_the_bucket_ends_as_the_uninterrupted_one(r
         np.testing.assert_allclose(remote[path], value, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_keep_n_deletes_old_steps_on_the_bucket(runs, s3):
     assert runs["steps_when_stopped"] == [8, STOP_AT]  # step 4 was deleted when 8 and 10 were saved
     assert steps_on_bucket(s3, "runs/run") == [12, 16]
@@ -132,6 +133,8 @@ def test_keep_n_deletes_old_steps_on_the_bucket(runs, s3):
     assert any(key.startswith("runs/run/checkpoints/16/data_iter/") for key in keys(s3, "runs/run/checkpoints/16/"))
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_metrics_config_and_events_are_uploaded_at_saves_and_exit(runs, s3):
     stopped = losses_from_text(runs["metrics_when_stopped"])
     assert sorted(stopped) == list(range(1, STOP_AT + 1))
@@ -155,6 +158,8 @@ def staged_losses(staging: str) -> dict[int, float]:
         return losses_from_text(f.read())
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_run_killed_on_the_bucket_resumes_and_replays_its_lost_steps_exactly(s3, shards, tmp_path):
     """SIGKILL mid-run: no save, no upload. The resumed run restarts from the newest committed step on the bucket,
     and the steps the killed run had made past it come out exactly as they did (state and data position both
@@ -199,6 +204,8 @@ def copy_step(s3, source: str, target: str, *, without: str | None = None) -> No
             s3.copy_object(Bucket=BUCKET, Key=target + key[len(source):], CopySource={"Bucket": BUCKET, "Key": key})
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_half_written_step_is_never_resumed_from(runs, s3):
     run, folder = f"s3://{BUCKET}/half/run", "half/run/checkpoints"
     copy_step(s3, "runs/run/checkpoints/16", f"{folder}/16")
@@ -225,6 +232,8 @@ def test_a_half_written_step_is_never_resumed_from(runs, s3):
     assert keys(s3, f"{folder}/20/") == []
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
     output = tmp_path / "report.png"
     assert report_lib.main([runs["remote"], "--output", str(output)]) == 0
@@ -235,6 +244,7 @@ def test_the_report_reads_a_remote_run(runs, s3, tmp_path, capsys):
     assert s3.get_object(Bucket=BUCKET, Key="runs/run/report.png")["Body"].read()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_paths_on_the_bucket_go_through_fsspec_where_tensorflow_is_importable(runs, monkeypatch):
     """epath would hand s3:// to tf.io.gfile (no S3 there) wherever TensorFlow is installed."""
     from etils.epath import gpath
@@ -247,6 +257,8 @@ def test_paths_on_the_bucket_go_through_fsspec_where_tensorflow_is_importable(ru
     assert os.environ["EPATH_USE_TF"] == "false"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_restoring_from_another_runs_bucket_folder_leaves_it_as_it_is(runs, s3):
     """A run resuming from (or fine-tuning) another run's checkpoints must not clean up that run's unfinished
     save: it may still be writing it."""
@@ -261,6 +273,8 @@ def test_restoring_from_another_runs_bucket_folder_leaves_it_as_it_is(runs, s3):
     assert keys(s3, "live/run/checkpoints/24/") == in_flight != []
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_failed_metrics_upload_at_a_save_is_a_warning_not_the_end_of_the_run(s3, shards, tmp_path, monkeypatch,
                                                                                 caplog):
     calls = []
@@ -280,11 +294,13 @@ def test_a_failed_metrics_upload_at_a_save_is_a_warning_not_the_end_of_the_run(s
     assert sorted(final) == list(range(1, 9))  # the next sync sent what the failed one had not
 
 
+@pytest.mark.subprocess
 def test_a_missing_bucket_is_one_clear_line(s3, shards):
     with pytest.raises(MissingInput, match="bucket s3://no-such-bucket .*does not exist"):
         train_lib.Trainer(tiny_config(shards, "s3://no-such-bucket/runs"))
 
 
+@pytest.mark.subprocess
 def test_missing_credentials_are_one_clear_line(s3, shards, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
@@ -292,6 +308,7 @@ def test_missing_credentials_are_one_clear_line(s3, shards, monkeypatch):
         train_lib.Trainer(tiny_config(shards, f"s3://{BUCKET}/runs"))
 
 
+@pytest.mark.subprocess
 def test_an_unreachable_endpoint_is_one_clear_line(s3, shards, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
     with pytest.raises(RunFailed, match="cannot reach the storage endpoint"):

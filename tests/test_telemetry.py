@@ -12,7 +12,6 @@ import optax
 import pytest
 from trainer_run import nan_after, tiny_config
 
-from clip_jax.data import make_shards
 from clip_jax.training import trainer as train_lib
 from clip_jax.training.stability import InstabilityMonitor
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
@@ -50,6 +49,7 @@ def per_block_rms(leaves: dict) -> np.ndarray:
     return np.sqrt(total / count)
 
 
+@pytest.mark.slow
 def test_telemetry_equals_numpy_from_independent_gradients(tiny_model_config, random_batch):
     spec = StepSpec(tiny_model_config, optimizer=OptimizerSpec(lr=1e-3, b2=B2, eps=EPS), telemetry_every=2)
     step = build_step(spec, mesh_for(spec, jax.devices()[:1]))
@@ -80,10 +80,9 @@ def test_telemetry_equals_numpy_from_independent_gradients(tiny_model_config, ra
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, trainer_model_file):
-    out = str(tmp_path_factory.mktemp("shards"))
-    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=768), out, 256)
-    return make_shards.shard_pattern(paths), trainer_model_file
+def shards(fashion_mnist_shards):
+    """768 Fashion-MNIST training images in 3 shards."""
+    return fashion_mnist_shards(768)
 
 
 def read_tensorboard(run_dir) -> dict[str, dict[int, float]]:
@@ -97,6 +96,7 @@ def read_tensorboard(run_dir) -> dict[str, dict[int, float]]:
     return scalars
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spike_telemetry", [True, False])
 def test_a_run_logs_telemetry_and_its_rollback_as_events(shards, tmp_path, spike_telemetry):
     # 768 samples / 64 per step = 12 steps; a checkpoint at 4 and 8; NaN batches 5-7 roll back to 4
@@ -137,6 +137,7 @@ def test_the_monitor_names_the_kind_of_problem_the_trainer_records():
     assert "2 non-finite" in monitor.observe(float("nan"), False) and monitor.last_problem == "non_finite"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["qk_norm", "scaled_cosine_attn"])
 def test_telemetry_of_normalised_attention_blocks(tiny_model_config, option):
     """The q/k kernel norms are still found in the packed projection of these blocks; the cosine block also

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from trainer_run import losses, nan_after, tiny_config
 
-from clip_jax.data import make_shards
 from clip_jax.evaluation import zeroshot
 from clip_jax.ops import run_outputs
 from clip_jax.ops.writers import MetricsWindow
@@ -29,11 +28,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, trainer_model_file):
+def shards(fashion_mnist_shards):
     """2,048 Fashion-MNIST training images in 8 shards."""
-    out = str(tmp_path_factory.mktemp("shards"))
-    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=2048), out, 256)
-    return make_shards.shard_pattern(paths), trainer_model_file
+    return fashion_mnist_shards(2048)
 
 
 def saved_steps(run_dir) -> list[int]:
@@ -67,6 +64,7 @@ def wait_for_step(run_dir, step, process, timeout=240, checkpoint=None):
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+@pytest.mark.slow
 def test_a_short_run_learns_and_saves(shards, tmp_path):
     result = train_lib.train(tiny_config(shards, tmp_path, epochs=3, zeroshot_data="demo", zeroshot_samples=512,
                                          zeroshot_frequency=1))
@@ -88,6 +86,7 @@ def test_a_short_run_learns_and_saves(shards, tmp_path):
     assert script_top1 == [pytest.approx(result["zeroshot_top1"], abs=1e-9)]
 
 
+@pytest.mark.slow
 def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_path, monkeypatch):
     # 8 steps of 64, a log line every 4: between logs the devices always have the next step queued while the
     # host waits for a loss; at a log (or save) step the host catches up before reporting.
@@ -125,6 +124,7 @@ def programs_launched(trace_dir) -> list[str]:
     return [name for _, name in launches]
 
 
+@pytest.mark.slow
 def test_a_step_runs_no_program_but_the_train_step_on_logging_steps_too(shards, tmp_path):
     # 7 steps of 64, a log line (with spike telemetry) at 3 and 6, and at 7, the last: traced from the dispatch of
     # step 2 (after compilation) to the final save, each program launched is attributed to the step dispatched
@@ -196,6 +196,7 @@ def test_step_metrics_are_read_from_a_local_replica_and_must_be_replicated():
         local_values({"loss": jax.device_put(np.arange(8.0), batch_sharding(mesh))})
 
 
+@pytest.mark.slow
 def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards, tmp_path, monkeypatch):
     # The stop signal arrives while step 6 (NaN inputs, nan_patience 1) is dispatched but unread: the stop check
     # reads it first, rolls back to checkpoint 4 once, and stops there.
@@ -227,6 +228,8 @@ def uninterrupted(shards, tmp_path_factory):
     return losses(logs / "run")
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
     config = tiny_config(shards, tmp_path, resume="latest")
     process = launch(config)
@@ -243,6 +246,8 @@ def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
     np.testing.assert_allclose([got[s] for s in range(1, 33)], [uninterrupted[s] for s in range(1, 33)], rtol=1e-5)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly_then_resumes_under_another_precision(shards, tmp_path):
     config = tiny_config(shards, tmp_path, resume="latest", precision="pure_bf16", save_every_steps=0)
     process = launch(config)
@@ -263,6 +268,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_under_another_precision(sh
     assert meta["precision"] == "fp32"
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_rolled_back_to_fp32(shards, tmp_path):
     config = tiny_config(shards, tmp_path, precision="bf16", nan_patience=3, on_instability="rollback_fp32")
     with train_lib.Trainer(config, edit_batch=nan_after({13, 14, 15})) as trainer:
@@ -299,12 +305,14 @@ def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path
     assert sorted(closed) == ["checkpoints", "data iterator"]
 
 
+@pytest.mark.slow
 def test_a_single_skipped_step_does_not_roll_back(shards, tmp_path):
     with train_lib.Trainer(tiny_config(shards, tmp_path, nan_patience=3), edit_batch=nan_after({10})) as trainer:
         trainer.train()
     assert trainer.skipped_updates == 1 and trainer.rollbacks == 0
 
 
+@pytest.mark.slow
 def test_a_loss_spike_is_caught(shards, tmp_path):
     # Without learning (lr 0) the loss only wanders from batch to batch; with a factor barely above 1 the first
     # loss above the recent mean counts as a spike.
@@ -327,6 +335,8 @@ def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):
         check_config(config, num_devices=8)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_an_unknown_override_is_refused_by_name(tmp_path):
     config = tiny_config(("/data/x.tar", "ViT-B-32"), tmp_path)
     process = launch(config, "--config.lrr=0.1")
@@ -340,6 +350,7 @@ def test_a_missing_shard_pattern_is_named(shards, tmp_path):
         train_lib.Trainer(tiny_config((str(tmp_path / "nowhere-{000..003}.tar"), shards[1]), tmp_path))
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_a_run_directory_that_has_checkpoints(shards, tmp_path):
     train_lib.train(tiny_config(shards, tmp_path, epochs=1, train_num_samples=512))
     with pytest.raises(ValueError, match="already has checkpoints"):
