@@ -20,6 +20,7 @@ def _loss(q, k, v, causal, pad_to_multiple):
     return jnp.sum(jnp.sin(out))  # a non-linear read of every output, so every gradient entry matters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,length", [(False, 257), (True, 77), (False, 5), (True, 9)])
 @pytest.mark.parametrize("multiple", [CUDNN_SEQ_MULTIPLE, 64])
 def test_padded_attention_equals_unpadded_in_value_and_gradients(causal, length, multiple):
@@ -32,6 +33,7 @@ def test_padded_attention_equals_unpadded_in_value_and_gradients(causal, length,
         np.testing.assert_allclose(padded, plain, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_unpadded_attention_matches_a_float64_reference():
     q, k, v = _qkv(6, seed=1)
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))

@@ -50,6 +50,8 @@ def run_cli(module, *args):
                           timeout=120, check=False)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["clip_jax.train", "clip_jax.plan"])
 def test_a_mistyped_config_override_names_the_closest_field(module):
     done = run_cli(module, f"--config={TRAIN_CONFIG}", "--config.lrr=1")
@@ -57,12 +59,16 @@ def test_a_mistyped_config_override_names_the_closest_field(module):
     assert done.stderr == "error: --config.lrr: no such config field; did you mean 'lr'?\n"
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_an_override_of_the_wrong_type_is_one_line():
     done = run_cli("clip_jax.train", f"--config={TRAIN_CONFIG}", "--config.lr=abc")
     assert done.returncode == 2
     assert done.stderr == "error: --config.lr=abc: could not convert string to float: 'abc'\n"
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_missing_config_file_is_one_line():
     done = run_cli("clip_jax.train", "--config=no/such/config.py", "--config.lr=1")
     assert done.returncode == 2

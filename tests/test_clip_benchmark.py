@@ -168,6 +168,7 @@ def _loader(dataset, collate=None):
 # Agreement with LAION's clip-benchmark
 
 
+@pytest.mark.slow
 def test_classification_equals_clip_benchmarks(setup, ours, exported):
     from clip_benchmark.metrics.zeroshot_classification import run_classification, zero_shot_classifier
     from sklearn.metrics import balanced_accuracy_score
@@ -214,11 +215,8 @@ def test_retrieval_equals_clip_benchmarks(setup, ours, exported):
 
 
 def test_multilabel_map_equals_clip_benchmarks(setup, ours, exported):
-    from clip_benchmark.metrics.zeroshot_classification import (
-        average_precision_per_class,
-        run_classification,
-        zero_shot_classifier,
-    )
+    from clip_benchmark.metrics.zeroshot_classification import (average_precision_per_class, run_classification,
+                                                                zero_shot_classifier)
 
     torch_model, transform = exported
     dataset = _benchmark_dataset(setup["collection"] / "tags", "tags", "zeroshot_classification", transform)
@@ -455,6 +453,8 @@ print("METRICS " + json.dumps(metrics))
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_two_processes_each_get_the_global_metrics(setup, ours):
     """30 images over 2 processes x 4 devices, 4 rows per process and step: every process gathers all logits and
     reports the single-process numbers (per-class recall and mAP need every image, not counts)."""

@@ -65,6 +65,7 @@ def test_params_of_another_model_are_refused_by_to_open_clip(state_dict):
     assert "transformer/resblocks/attn/in_proj/kernel (2, 64, 192) (expected (1, 64, 192))" in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_converts_an_open_clip_training_checkpoint_and_back(tmp_path, torch_model, state_dict, capsys):
     src = tmp_path / "epoch_3.pt"  # OpenCLIP's training checkpoint layout, saved from DDP
     ddp_state_dict = {f"module.{k}": v for k, v in torch_model.state_dict().items()}

@@ -195,6 +195,7 @@ def _iterator(pattern, sample_filter, **kwargs):
     return data.build_train_iterator(cfg, global_batch_size=4, image_size=8, mean=(0.5,) * 3, std=(0.5,) * 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resampled,workers", [(True, 0), (False, 2)])
 def test_a_resumed_filtered_stream_continues_exactly(tmp_path, resampled, workers):
     pattern, _ = _write_metadata_shards(tmp_path, num_shards=4, per_shard=30)
@@ -308,6 +309,7 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_a_filtered_run_logs_its_drops_per_rule_and_resumes_exactly(tmp_path, trainer_model_file):
     import shutil
 

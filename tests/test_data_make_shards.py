@@ -159,6 +159,7 @@ def test_shard_size_limits(tmp_path, rows):
         make_shards.write_shards([], str(tmp_path), samples_per_shard=rows)
 
 
+@pytest.mark.slow
 def test_fashion_mnist_shards_are_written_once(tmp_path):
     pattern = make_shards.fashion_mnist_shards(str(tmp_path), "test", samples_per_shard=4000)
     assert pattern == f"{tmp_path}/{{00000..00002}}.tar"
@@ -208,6 +209,8 @@ print(make_shards.fashion_mnist_shards(sys.argv[2], "train", root=sys.argv[3], s
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_processes_asking_for_the_demo_shards_together_get_one_set_written_once(tmp_path):
     root = _tiny_fashion_mnist(tmp_path / "fmnist", 3000)
     out, go = tmp_path / "shards", tmp_path / "go"
@@ -277,6 +280,7 @@ print("ok")
 """
 
 
+@pytest.mark.subprocess
 def test_loading_the_demo_config_writes_nothing_and_imports_no_data_package():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-B", "-c", _LOAD_DEMO], cwd=repo, capture_output=True, text=True,

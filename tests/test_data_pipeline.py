@@ -77,6 +77,7 @@ def _assert_same(batches_a, batches_b):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resampled,workers", [(True, 0), (False, 0), (True, 2), (False, 2)])
 def test_resume_gives_the_batches_that_would_have_come(tmp_path, resampled, workers):
     pattern = _write_indexed_shards(tmp_path, 4, 15)
@@ -92,6 +93,7 @@ def test_resume_gives_the_batches_that_would_have_come(tmp_path, resampled, work
     resumed.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_epoch_mode_processes_read_disjoint_samples_covering_the_data(tmp_path, workers):
     pattern = _write_indexed_shards(tmp_path, 8, 20)  # 160 samples; 2 processes x 2 workers x 2 shards
@@ -155,6 +157,7 @@ def test_skip_counters_are_reachable_for_metrics(tmp_path):
     assert it.skipped_samples() == {"corrupt_image": 2, "no_caption": 2, "json_only": 2}
 
 
+@pytest.mark.slow
 def test_skip_counters_are_summed_over_worker_processes(tmp_path):
     for s in range(2):
         _write_shard_with_bad_samples(tmp_path / f"{s:05d}.tar")

@@ -14,8 +14,8 @@ from PIL import Image
 
 from clip_jax import data
 from clip_jax.data import check, filters, make_shards, parquet_filter, synthetic, webdataset
-from clip_jax.tokenizer import tokenize
 from clip_jax.run_config import default_config
+from clip_jax.tokenizer import tokenize
 
 MEAN_STD = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
 
@@ -89,6 +89,7 @@ def test_csv_missing_column_names_it_and_the_columns_present(tmp_path):
     assert data.steps_per_epoch(config, 1) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_csv_resumes_exactly(tmp_path, workers):
     path = _write_csv(tmp_path, rows=18, broken=(5,))
@@ -152,6 +153,7 @@ def test_synthetic_from_the_run_config_needs_an_epoch_size():
         data.steps_per_epoch(data.TrainDataConfig(shards="", dataset_type="synthetic"), 10)
 
 
+@pytest.mark.slow
 def test_a_synthetic_run_trains_without_shards(tmp_path, trainer_model_file):
     from trainer_run import losses, tiny_config
 

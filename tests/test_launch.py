@@ -22,6 +22,7 @@ def clean_env(**extra):
     return {**env, **extra}
 
 
+@pytest.mark.subprocess
 def test_there_are_launch_scripts_and_bash_parses_them_all():
     names = {os.path.basename(s) for s in SCRIPTS}
     assert {"l14_laion2b.sbatch", "l14_laion2b_per_node.sbatch", "local.sh"} <= names
@@ -37,6 +38,7 @@ def dry_run(script, *args):
     return result.stdout.strip().splitlines()
 
 
+@pytest.mark.subprocess
 def test_slurm_dry_run_prints_one_line_per_gpu_rank():
     lines = dry_run("l14_laion2b.sbatch", "--config.lr=1e-4")
     assert len(lines) == 8  # 2 fake nodes x 4 tasks
@@ -50,6 +52,7 @@ def test_slurm_dry_run_prints_one_line_per_gpu_rank():
         assert line.endswith("cmd: python -m clip_jax.train --config configs/l14_laion2b.py --config.lr=1e-4")
 
 
+@pytest.mark.subprocess
 def test_slurm_dry_run_of_one_process_per_node_gives_each_all_four_gpus():
     lines = dry_run("l14_laion2b_per_node.sbatch")
     assert len(lines) == 2
@@ -63,6 +66,7 @@ def test_the_reference_job_asks_slurm_for_the_reference_resources():
         assert f"#SBATCH {option}\n" in text
 
 
+@pytest.mark.subprocess
 def test_slurm_script_outside_an_allocation_says_so():
     result = subprocess.run(["bash", os.path.join(REPO, "launch", "l14_laion2b.sbatch"), "--dry-run"],
                             env=clean_env(SLURM_SUBMIT_DIR=REPO), capture_output=True, text=True)
@@ -70,6 +74,7 @@ def test_slurm_script_outside_an_allocation_says_so():
     assert "not inside a SLURM allocation" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_local_launcher_dry_run_gives_each_rank_its_coordinates():
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "launch", "local.py"), "3", "--port", "4567", "--devices-per-process",
@@ -86,6 +91,7 @@ def test_local_launcher_dry_run_gives_each_rank_its_coordinates():
         assert line.endswith("python -m clip_jax.train --config configs/demo.py")
 
 
+@pytest.mark.subprocess
 def test_local_launcher_can_run_the_ranks_on_a_loopback_of_their_own(tmp_path):
     """`--loopback-mtu`: every rank sees loopback with that MTU (one namespace for all, so they still reach each
     other on 127.0.0.1); where the kernel refuses a network namespace, the launch fails naming unshare."""
@@ -101,6 +107,7 @@ def test_local_launcher_can_run_the_ranks_on_a_loopback_of_their_own(tmp_path):
         assert result.returncode != 0 and "unshare" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_local_launcher_needs_a_command():
     result = subprocess.run([sys.executable, os.path.join(REPO, "launch", "local.py"), "2"], capture_output=True,
                             text=True)
@@ -145,6 +152,8 @@ def test_bad_process_settings_are_named(env, message):
         distributed.process_group_from_env(env)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_rank_whose_peers_never_come_says_which_rank_failed(tmp_path):
     env = clean_env(CLIP_JAX_COORDINATOR="127.0.0.1:1", CLIP_JAX_NUM_PROCESSES="2", CLIP_JAX_PROCESS_ID="1",
                     CLIP_JAX_INIT_TIMEOUT="3", JAX_PLATFORMS="cpu")

@@ -103,6 +103,7 @@ def state_dict(model):
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_options_give_open_clips_features_and_convert_bit_for_bit(case, batched_bmm):
     cfg = CASES[case]
@@ -129,6 +130,7 @@ def test_options_give_open_clips_features_and_convert_bit_for_bit(case, batched_
         np.testing.assert_array_equal(back[key], value, err_msg=key)
 
 
+@pytest.mark.slow
 def test_the_text_options_change_the_features():
     """The pooled token and the mask do matter here: the cases above could not pass with them ignored."""
     cfg = CASES["bidirectional-eos"]
@@ -199,12 +201,14 @@ def _moving(params):
     return {**params, "visual": {**params["visual"], "transformer": {"resblocks": {**vision, "attn": attn}}}}
 
 
+@pytest.mark.slow
 def test_option_heavy_step_with_fsdp_on_8_devices_equals_one_device(heavy_params, random_batch, heavy_one_device):
     after, loss = _sgd_step(heavy_params, random_batch(16), n_devices=8, fsdp=True, patch_dropout=0.5)
     assert_same_update(_moving(heavy_params), after, heavy_one_device[0])
     assert loss == pytest.approx(heavy_one_device[1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_option_heavy_step_with_accumulation_and_remat_equals_one_device(heavy_params, random_batch,
                                                                          heavy_one_device):
     after, loss = _sgd_step(heavy_params, random_batch(16), n_devices=8, fsdp=True, accum_steps=2,
@@ -213,6 +217,7 @@ def test_option_heavy_step_with_accumulation_and_remat_equals_one_device(heavy_p
     assert loss == pytest.approx(heavy_one_device[1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_option_heavy_model_runs_in_bf16():
     model = create_model(HEAVY)
     params = init_params(model, jax.random.key(1))
@@ -257,6 +262,8 @@ def test_bad_option_configs_name_the_key_before_anything_is_built(bad, message):
     assert message in str(info.value)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 def test_cudnn_fused_attention_compiles_with_the_block_options_and_embed_cls_falls_back_to_xla():
     """XLA:GPU without a GPU: the custom block's options (QK norm, scaled cosine folded into the queries) keep
     cuDNN's fused attention, forward and backward; a text tower with embed_cls runs XLA's (its key mask)."""

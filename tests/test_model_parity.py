@@ -21,6 +21,7 @@ def _ids(case):
     return model if isinstance(model, str) else ("tiny-quickgelu" if model.get("quick_gelu") else "tiny")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_converted_open_clip_model_gives_the_same_features(case):
     name_or_config, batch = case

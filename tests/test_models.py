@@ -68,6 +68,7 @@ def test_bad_run_options_fail_when_the_model_is_created():
         create_model(TINY, attention_impl="flash")
 
 
+@pytest.mark.slow
 def test_wrong_input_shapes_are_named():
     model = create_model(TINY)
     params = init_params(model, jax.random.key(0))
@@ -86,6 +87,7 @@ def _loss_and_grads(model, params, images, tokens):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
 def test_remat_changes_memory_not_results(policy):
     images, tokens = random_inputs(32, 20, 600, batch=4)
@@ -113,6 +115,7 @@ def test_scanned_layers_keep_the_program_size_flat_in_depth():
     assert equations(2) == equations(12)
 
 
+@pytest.mark.slow
 def test_layer_params_hook_maps_each_layers_weights_at_apply_time_only():
     images, tokens = random_inputs(32, 20, 600, batch=2)
     plain = create_model(TINY, remat_policy="nothing_saveable")
@@ -137,6 +140,7 @@ def test_layer_params_hook_maps_each_layers_weights_at_apply_time_only():
     jax.tree.map(np.testing.assert_array_equal, init_params(hooked, jax.random.key(0)), params)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params_and_features():
     images, tokens = random_inputs(32, 20, 600, batch=4)
     fp32 = create_model(TINY)
@@ -149,6 +153,7 @@ def test_bf16_compute_keeps_fp32_params_and_features():
     assert_bf16_features_close(jax.jit(fp32.apply), jax.jit(bf16.apply), params, images, tokens)
 
 
+@pytest.mark.slow
 def test_pure_bf16_params_keep_the_same_tree():
     model = create_model(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     params = init_params(model, jax.random.key(0))
@@ -170,6 +175,7 @@ def test_xla_attention_gives_open_clips_features():
     assert float(scale) == pytest.approx(expected[2], rel=1e-6)
 
 
+@pytest.mark.subprocess
 def test_the_core_imports_neither_tensorflow_nor_clu_nor_torch():
     code = ("import sys, clip_jax, clip_jax.models, clip_jax.convert\n"
             "bad = sorted(m for m in ('tensorflow', 'clu', 'torch') if m in sys.modules)\n"

@@ -101,6 +101,8 @@ def run_steps(engine, mesh, state, batches, steps):
     return state, out
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_only_rank_0_reports_and_every_rank_writes_its_checkpoint_shards(two_process_run):
     _, run_dir, outputs = two_process_run
     assert "step 1/4" in outputs[0] and "step 1/4" not in outputs[1]
@@ -109,6 +111,8 @@ def test_only_rank_0_reports_and_every_rank_writes_its_checkpoint_shards(two_pro
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(step_dir / "state"))
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_two_processes_train_exactly_as_one_process_on_the_same_global_batch(two_process_run, one_process):
     config, run_dir, _ = two_process_run
     assert jax.process_count() == 1 and jax.device_count() == 8
@@ -129,6 +133,8 @@ def test_two_processes_train_exactly_as_one_process_on_the_same_global_batch(two
     assert moved > 5e-3  # training moved the parameters far more than the tolerance
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_two_process_checkpoint_continues_identically_in_one_process(two_process_run, one_process):
     config, run_dir, _ = two_process_run
     mesh, engine = one_process
@@ -149,6 +155,8 @@ def wait_for_a_logged_step(processes, logs, timeout=240):
         time.sleep(0.2)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_killing_one_process_makes_the_other_exit_on_the_heartbeat_timeout(shard_data, tmp_path):
     """The survivor does not hang in a collective with the dead rank: its coordination service, missing rank 1's
     heartbeats for the 5 s it was given, names it and terminates the process (SIGABRT from JAX's C++)."""
@@ -174,6 +182,8 @@ def test_killing_one_process_makes_the_other_exit_on_the_heartbeat_timeout(shard
     assert "Terminating process because the JAX distributed service detected fatal errors" in log, log[-3000:]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(shard_data, tmp_path):
     # SLURM signals every rank, but not at the same instant: the ranks must agree on one step to save.
     config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
@@ -196,6 +206,8 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(files)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_carry(two_process_run, tmp_path):
     # Each process saved its own data-iterator position (process_R-of-2.json); one process reads other shards
     # in another order, so there is no position to restore and the trainer refuses rather than guess.
@@ -212,6 +224,8 @@ def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_
     assert not (tmp_path / "other").exists()  # refused before anything was built or written
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_saved_process_count_is_read_from_the_meta_and_else_from_the_data_iterator_files(two_process_run):
     _, run_dir, _ = two_process_run
     directory = str(run_dir / "checkpoints")
@@ -250,6 +264,8 @@ def test_the_data_resume_plan(shard_data, tmp_path):
     assert len(seeds) == 8 and not seeds & {0, 1}  # a new stream per (seed, step), never the run's own
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_one_process_checkpoint_continues_in_two_processes_with_reseeded_data(shard_data, one_process, tmp_path):
     mesh, engine = one_process
     config = config_for(shard_data, tmp_path / "one")

@@ -45,6 +45,7 @@ def tiny_params(tiny_model_config):
     return init_params(create_model(tiny_model_config), jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_decay_mask_on_the_model_tree_matches_hand_list(tiny_params):
     mask = flat_names(decay_mask(tiny_params))
     decayed = {name for name, decays in mask.items() if decays}
@@ -99,6 +100,7 @@ def open_clip_lr(base_lr, warmup, total, step):
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) * base_lr
 
 
+@pytest.mark.slow
 def test_three_updates_equal_torch_adamw_with_open_clip_param_groups_and_clipping():
     rng = np.random.default_rng(0)
     shapes = {

@@ -14,8 +14,8 @@ from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.flops import forward_flops, image_forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import LayerNorm, Transformer
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
-from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.loss import contrastive_loss_and_accuracy
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
@@ -61,6 +61,7 @@ def test_kept_patches_are_distinct_sorted_and_counted_as_openclip():
     assert len({tuple(row) for row in kept}) > 1  # drawn per sample
 
 
+@pytest.mark.slow
 def test_kept_token_features_equal_the_tower_run_on_exactly_those_tokens(params, batch):
     images, kept = batch["images"][:4], kept_for_step(seed=0, step=0, rows=4)
     features = MODEL.apply({"params": params}, images, normalize=False, kept_patches=kept, method="encode_image")
@@ -88,6 +89,7 @@ def test_kept_token_features_equal_the_tower_run_on_exactly_those_tokens(params,
         MODEL.apply({"params": params}, noisy, normalize=False, kept_patches=kept, method="encode_image"), features)
 
 
+@pytest.mark.slow
 def test_eval_output_is_unchanged_by_the_setting(params, batch):
     without = create_model(TINY_WITHOUT)
     assert MODEL.config.vision.patch_dropout == 0.5
@@ -99,6 +101,7 @@ def test_eval_output_is_unchanged_by_the_setting(params, batch):
     assert np.array_equal(*images)
 
 
+@pytest.mark.slow
 def test_the_step_drops_the_patches_its_seed_and_step_counter_draw(params, batch):
     """The step's loss is the loss of the model on the patches kept_patch_indices(patch_dropout_key(seed, step))
     gives: a resumed run (a fresh step, the state restored at the same step) drops the same patches."""
@@ -117,6 +120,7 @@ def test_the_step_drops_the_patches_its_seed_and_step_counter_draw(params, batch
     assert np.array_equal(kept_for_step(3, 5), kept_for_step(3, 5))
 
 
+@pytest.mark.slow
 def test_force_patch_dropout_zero_trains_on_every_patch(params, batch):
     _, forced = sgd_step(params, batch, step=5, patch_dropout=0.0)
     full, _ = contrastive_loss_and_accuracy(*MODEL.apply({"params": params}, batch["images"], batch["tokens"]),
@@ -129,6 +133,7 @@ def one_device_step(params, batch):
     return sgd_step(params, batch, step=2)
 
 
+@pytest.mark.slow
 def test_eight_devices_drop_the_patches_one_device_drops(params, batch, one_device_step):
     after_8, metrics_8 = sgd_step(params, batch, n_devices=8, step=2)
     after_1, metrics_1 = one_device_step
@@ -136,6 +141,7 @@ def test_eight_devices_drop_the_patches_one_device_drops(params, batch, one_devi
     assert_same_update(params, after_8, after_1)
 
 
+@pytest.mark.slow
 def test_accumulation_drops_the_patches_the_full_batch_step_drops(params, batch, one_device_step):
     after_accum, metrics_accum = sgd_step(params, batch, n_devices=8, accum_steps=2, step=2)
     after_1, metrics_1 = one_device_step
@@ -183,6 +189,7 @@ def test_train_flops_count_the_kept_tokens_and_eval_flops_all():
     assert train_flops(StepSpec(dropped, patch_dropout=0.0).model) == train_flops(config)
 
 
+@pytest.mark.slow
 def test_the_planners_xla_count_of_the_step_agrees_with_the_kept_token_count():
     from clip_jax import plan as planner
 

@@ -16,8 +16,8 @@ from open_clip_reference import open_clip_flops
 
 from clip_jax import plan as planner
 from clip_jax.models import get_model_config
-from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +44,7 @@ def tiny_config(model_file, **fields):
     return c
 
 
+@pytest.mark.slow
 def test_planned_memory_is_xla_memory_of_the_real_sharded_step():
     """Abstract inputs (nothing allocated) give the same memory analysis as the step built from real arrays."""
     setup = StepSpec(TINY, "fp32", "nothing_saveable", fsdp=True)
@@ -73,6 +74,7 @@ def test_planned_memory_is_xla_memory_of_the_real_sharded_step():
     assert held < 0.5 * replicated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, remat", [("ViT-B-32", "nothing_saveable"), ("ViT-L-14", "none")])
 def test_xla_flops_of_the_compiled_programs_agree_with_the_analytic_count(name, remat):
     """Every scanned block counted (XLA counts a loop body once): a few percent above the matmul-only count."""
@@ -127,6 +129,7 @@ def test_largest_batch_search_stops_at_the_limit_and_rejects_batch_one():
         planner.largest_fitting_batch(lambda b: 5_000 + 37 * b, 5_000)
 
 
+@pytest.mark.slow
 def test_bad_input_is_named_with_the_numbers(tiny_json):
     devices = jax.devices()[:2]
     with pytest.raises(ValueError, match="unknown GPU 'a100'; known: a100-40gb, a100-80gb, h100"):
@@ -152,6 +155,8 @@ def test_bad_input_is_named_with_the_numbers(tiny_json):
     assert "fsdp=True" in message and "grad_checkpointing=True" in message
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_command_line_plan_compiles_for_the_simulated_gpus(tmp_path, tiny_json):
     config_file = tmp_path / "tiny_run.py"
     config_file.write_text(

@@ -94,12 +94,14 @@ def test_switching_policy_keeps_the_parameter_tree(policy_model):
     assert jax.tree.map(lambda a: a.dtype, cast) == jax.tree.map(lambda a: a.dtype, trees["pure_bf16"])
 
 
+@pytest.mark.slow
 def test_fp32_policy_runs_every_matmul_in_fp32(steps):
     precisions = matmul_precisions(steps["fp32"][0])
     assert len(precisions) > 20
     assert {runs_in for runs_in, _ in precisions} == {"f32"}
 
 
+@pytest.mark.slow
 def test_bf16_policy_runs_tower_matmuls_in_bf16_and_only_the_loss_in_fp32(steps):
     fp32_count = len(matmul_precisions(steps["fp32"][0]))
     precisions = matmul_precisions(steps["bf16"][0])
@@ -111,6 +113,7 @@ def test_bf16_policy_runs_tower_matmuls_in_bf16_and_only_the_loss_in_fp32(steps)
     assert len(in_bf16) == fp32_count - 6
 
 
+@pytest.mark.slow
 def test_bf16_policy_keeps_fp32_params_and_optimizer_state(steps):
     _, state, _ = steps["bf16"]
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
@@ -118,6 +121,7 @@ def test_bf16_policy_keeps_fp32_params_and_optimizer_state(steps):
     assert {leaf.dtype for leaf in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_pure_bf16_policy_keeps_bf16_params(steps):
     _, state, _ = steps["pure_bf16"]
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
@@ -125,6 +129,7 @@ def test_pure_bf16_policy_keeps_bf16_params(steps):
 
 # The loss of one step from the same weights, relative to fp32's: measured 5.2e-4 (bf16) and 1.8e-3 (pure_bf16)
 # here, at most 3.4e-3 over four seeds of the weights and batch; 1e-2 leaves 3x.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "pure_bf16"])
 def test_bf16_loss_is_close_to_fp32(steps, name):
     fp32_metrics, metrics = steps["fp32"][2], steps[name][2]
@@ -168,6 +173,7 @@ GRADIENT_ERROR = 3.0
 LEAF_GRADIENT_ERROR = 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "pure_bf16"])
 def test_bf16_gradients_are_within_a_few_times_the_rounding_of_the_inputs_of_fp32s(steps, rounded_fp32_step, name):
     expected = _gradients_by_tower(steps["fp32"][1])

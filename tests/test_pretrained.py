@@ -20,8 +20,8 @@ from clip_jax.interop.pretrained import load_pretrained, resize_positional_embed
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.optim.lock import LockSpec, trainable_mask
-from clip_jax.runtime.mesh import create_mesh
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
@@ -52,6 +52,7 @@ def torch_model():
     return open_clip_model(TINY, seed=5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_loaded_at_a_larger_image_size_runs_as_open_clip_resizes_it(torch_model, tmp_path):
     folder = tmp_path / "export"
     params = convert.from_open_clip(state_dict_numpy(torch_model), TINY)
@@ -116,6 +117,7 @@ def _run_steps(lock: LockSpec, params, steps=2):
     return jax.device_get(state)
 
 
+@pytest.mark.slow
 def test_a_locked_image_tower_is_bit_identical_after_adamw_steps_and_has_no_moments(tiny_params):
     state = _run_steps(LockSpec(image=True), tiny_params)
     jax.tree.map(np.testing.assert_array_equal, state.params["visual"], jax.device_get(tiny_params["visual"]))
@@ -133,6 +135,7 @@ def _adam_state(opt_state) -> optax.ScaleByAdamState:
     return adam
 
 
+@pytest.mark.slow
 def test_a_locked_image_tower_is_not_back_propagated_through(tiny_params):
     def step_flops(lock):
         step = build_step(StepSpec(TINY, lock=lock), create_mesh(jax.devices()[:1]))
@@ -141,6 +144,7 @@ def test_a_locked_image_tower_is_not_back_propagated_through(tiny_params):
     assert step_flops(LockSpec(image=True)) < 0.8 * step_flops(LockSpec())
 
 
+@pytest.mark.slow
 def test_spike_telemetry_of_a_locked_image_tower_reads_no_moments_for_it(tiny_params):
     spec = StepSpec(TINY, optimizer=OptimizerSpec(lr=1e-2), lock=LockSpec(image=True), telemetry_every=1)
     step = build_step(spec, create_mesh())
@@ -153,6 +157,7 @@ def test_spike_telemetry_of_a_locked_image_tower_reads_no_moments_for_it(tiny_pa
     assert np.all(telemetry["text"]["rms_ratio"] > 0) and np.all(telemetry["text"]["grad_rms"] > 0)
 
 
+@pytest.mark.slow
 def test_partly_unlocked_stacks_move_only_their_unlocked_layers(tiny_params):
     # 3 image layers; 2 unlocked groups: the last block with ln_post, and proj
     state = _run_steps(LockSpec(image=True, image_unlocked_groups=2, text=True, text_unlocked_layers=1), tiny_params)
@@ -178,6 +183,7 @@ def test_the_model_config_written_for_open_clip_builds_the_same_model(torch_mode
     assert {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()} == convert.open_clip_shapes(config)
 
 
+@pytest.mark.slow
 def test_a_sigmoid_loss_model_exports_its_logit_bias(tmp_path):
     config = get_model_config({**TINY, "init_logit_scale": 2.3, "init_logit_bias": -10.0})
     params = jax.device_get(init_params(create_model(config), jax.random.key(1)))

@@ -120,6 +120,7 @@ def _open_clip_count(name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RN_NAMES)
 def test_parameter_counts_equal_open_clips(name):
     ours = count_params(param_shapes(create_model(name)))  # abstract: jax.eval_shape
@@ -127,6 +128,7 @@ def test_parameter_counts_equal_open_clips(name):
     assert count_params(param_shapes(create_model(f"{name}-quickgelu"))) == ours
 
 
+@pytest.mark.slow
 def test_init_follows_open_clip():
     variables = init_variables(create_model(TINY_RN), jax.random.key(0))
     visual, stats = variables["params"]["visual"], variables["batch_stats"]["visual"]
@@ -166,6 +168,7 @@ def test_params_only_conversion_refuses_a_resnet_model(tiny_torch):
         convert.to_open_clip({}, TINY_RN)
 
 
+@pytest.mark.slow
 def test_the_command_line_converts_both_ways(tiny_torch, tmp_path):
     config_file = tmp_path / "tiny_rn.json"
     config_file.write_text(json.dumps(TINY_RN))
@@ -191,6 +194,7 @@ def test_applying_params_without_batch_stats_says_what_is_missing(tiny_torch):
 # Parity with OpenCLIP
 
 
+@pytest.mark.slow
 def test_eval_features_equal_open_clips_for_a_tiny_model(tiny_torch):
     variables = convert.variables_from_open_clip(_state_dict(tiny_torch), TINY_RN)
     images = _images(64, 3, seed=2)
@@ -205,6 +209,7 @@ def test_eval_features_equal_open_clips_for_a_tiny_model(tiny_torch):
     np.testing.assert_allclose(scale, float(expected[2]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_features_equal_open_clips_for_rn50():
     model = _perturbed_open_clip("RN50", seed=2)
     variables = convert.variables_from_open_clip(_state_dict(model), "RN50")
@@ -216,6 +221,7 @@ def test_eval_features_equal_open_clips_for_rn50():
     np.testing.assert_allclose(features, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_mode_batch_statistics_equal_open_clips(tiny_torch):
     """Batch statistics normalise, and the running ones move as torch moves them (unbiased variance, momentum
     0.1, the counter up by one)."""

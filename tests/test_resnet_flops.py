@@ -2,14 +2,15 @@
 forward and train step, and the planner plans a ResNet run."""
 
 import jax
+import pytest
 from open_clip_reference import open_clip_flops
 
 from clip_jax import plan as planner
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import image_forward_flops, resnet_image_macs
-from clip_jax.runtime.mesh import create_mesh
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh
 from clip_jax.training.step_factory import StepSpec
 
 # Every stage with its own block count, the stem's stride-2 conv and shortcut convs of both kinds (a width change in
@@ -62,6 +63,7 @@ def tiny_rn_forward_flops() -> int:
     return 2 * image + open_clip_text
 
 
+@pytest.mark.slow
 def test_xla_counts_of_the_compiled_programs_agree_with_the_analytic_count():
     spec = StepSpec(TINY_RN, "fp32")
     flops = planner.flops_per_sample(spec, create_mesh(jax.devices()[:1]), 4)
@@ -72,6 +74,7 @@ def test_xla_counts_of_the_compiled_programs_agree_with_the_analytic_count():
     assert 1.0 <= flops.train_xla / flops.train_analytic < 1.2
 
 
+@pytest.mark.slow
 def test_the_planner_plans_a_resnet_run(tmp_path):
     model_file = tmp_path / "tiny_rn.json"
     model_file.write_text(__import__("json").dumps(TINY_RN))

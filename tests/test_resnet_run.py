@@ -81,6 +81,7 @@ def _batch_norm_counts(batch_stats) -> set[int]:
             if path[-1].key == "num_batches_tracked"}
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_run_ends_as_the_uninterrupted_one(shards, run, tmp_path, monkeypatch):
     run_dir, result = run
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
@@ -116,6 +117,7 @@ def test_a_stopped_and_resumed_run_ends_as_the_uninterrupted_one(shards, run, tm
     _tree_equal(read_params(str(run_dir)), reference["params"])
 
 
+@pytest.mark.slow
 def test_the_export_loads_in_open_clip_with_the_runs_eval_features(run, exported):
     run_dir, _ = run
     saved = json.loads((exported / "open_clip_config.json").read_text())
@@ -141,6 +143,7 @@ def test_the_export_loads_in_open_clip_with_the_runs_eval_features(run, exported
     np.testing.assert_allclose(encoder.encode_images(encoder.place(variables), images), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_eval_script_reads_the_run_and_the_export_as_the_trainer_evaluated(shards, run, exported, tmp_path):
     run_dir, result = run
     top1 = {}
@@ -154,6 +157,7 @@ def test_the_eval_script_reads_the_run_and_the_export_as_the_trainer_evaluated(s
     assert similarity.main(["--model", shards[1], "--checkpoint", str(exported / "open_clip_model.safetensors")]) == 0
 
 
+@pytest.mark.slow
 def test_a_pretrained_start_brings_params_and_batch_stats(shards, run, exported, tmp_path):
     run_dir, _ = run
     expected = read_variables(str(run_dir))
@@ -166,6 +170,7 @@ def test_a_pretrained_start_brings_params_and_batch_stats(shards, run, exported,
         _tree_equal({"params": state.params, "batch_stats": state.batch_stats}, expected)
 
 
+@pytest.mark.slow
 def test_what_needs_the_statistics_says_so(run):
     run_dir, _ = run
     with pytest.raises(InvalidInput, match="load_pretrained_variables"):

@@ -13,8 +13,8 @@ from clip_jax.errors import InvalidInput
 from clip_jax.models import create_model, init_variables
 from clip_jax.optim.adamw import LOGIT_SCALE_MAX
 from clip_jax.optim.lock import LockSpec
-from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, lock_spec, mesh_for
 
 # Width 16, so the last stage's kernels (1x1x128x512, 3x3x128x128) and the attention pool's projections exceed
@@ -115,6 +115,7 @@ def _assert_matches(start, losses, state, expected):
     assert_same_update(before, after, expected_params)
 
 
+@pytest.mark.slow
 def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_loop(start):
     """Each micro-batch normalised with its own statistics, the running statistics updated once per micro-batch in
     order, the loss over the whole batch; conv kernels split over the devices, every block rematerialised."""
@@ -148,6 +149,7 @@ def _run_locked(start, freeze_bn_stats: bool):
     return losses, after
 
 
+@pytest.mark.slow
 def test_a_locked_image_tower_with_frozen_bn_stats_is_frozen_batch_norm_included(start):
     """Locked with `image_freeze_bn_stats` (OpenCLIP's --lock-image-freeze-bn-stats): no update, no optimizer state,
     BatchNorm in eval mode (running statistics, left as they are); the text tower and the scale train."""
@@ -161,6 +163,7 @@ def test_a_locked_image_tower_with_frozen_bn_stats_is_frozen_batch_norm_included
     assert abs(float(_clip_loss(*train_outputs)) - losses[0]) > 1e-4
 
 
+@pytest.mark.slow
 def test_a_locked_image_tower_keeps_batch_norm_in_train_mode_and_its_statistics_move(start):
     """Locked alone (OpenCLIP's --lock-image): the params stay bit for bit and get no optimizer state, but BatchNorm
     runs in train mode: normalised with the batch's statistics, the running ones updated by every step, as a

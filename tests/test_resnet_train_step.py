@@ -81,6 +81,7 @@ def eight_devices(start):
     return _sharded_steps(start, 8)
 
 
+@pytest.mark.slow
 def test_eight_devices_equal_an_independent_single_device_loop(start, eight_devices):
     losses, state, _ = eight_devices
     expected_losses, expected_params, expected_stats = _reference(start)
@@ -99,6 +100,7 @@ def test_eight_devices_equal_an_independent_single_device_loop(start, eight_devi
     assert_same_update(before, after, expected, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_statistics_are_those_of_the_global_batch(start, eight_devices):
     """Per-device statistics (2 rows each) would differ from the whole batch's: the state holds the latter."""
     first = _batches()[0]["images"]
@@ -113,6 +115,7 @@ def test_the_statistics_are_those_of_the_global_batch(start, eight_devices):
     assert not np.allclose(after_one, per_device, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_weight_decay_follows_open_clips_groups(start):
     """OpenCLIP decays a parameter unless it has ndim < 2 or 'bn', 'ln', 'bias' or 'logit_scale' in its name."""
     mask = jax.tree.map(lambda decays, p: np.full(p.shape, bool(decays)), decay_mask(start["params"]), start["params"])
@@ -126,6 +129,7 @@ def test_weight_decay_follows_open_clips_groups(start):
     assert mask["visual.attnpool.positional_embedding"].all() and not mask["visual.attnpool.q_proj.bias"].any()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_batch_stats(eight_devices, tmp_path):
     state = eight_devices[1]
     checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), async_save=False)
@@ -146,6 +150,7 @@ def test_patch_dropout_is_refused():
         StepSpec(TINY_STEP, patch_dropout=0.5)
 
 
+@pytest.mark.slow
 def test_a_state_without_batch_stats_is_refused(start):
     step = build_step(StepSpec(TINY_STEP, optimizer=SGD), create_mesh(jax.devices()[:1]))
     with pytest.raises(InvalidInput, match="batch_stats"):

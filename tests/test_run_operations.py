@@ -58,6 +58,7 @@ def run(tmp_path_factory, trainer_model_file):
     return root / "logs" / "run", outputs
 
 
+@pytest.mark.slow
 def test_telemetry_in_the_metrics_and_the_progress_line(run):
     run_dir, (first, _) = run
     logged = [r for r in read_jsonl(run_dir) if "loss" in r]
@@ -72,6 +73,7 @@ def test_telemetry_in_the_metrics_and_the_progress_line(run):
     assert re.search(r"step 2/8 .* \| GPU 81% \(min 81%\) \| mem 25% \| 55C \| 600W \| host CPU \d+% RAM \d+%", first)
 
 
+@pytest.mark.slow
 def test_validation_every_epoch_and_at_the_end(run):
     run_dir, (first, second) = run
     val = {r["step"]: r for r in read_jsonl(run_dir) if "val_loss" in r}
@@ -86,6 +88,7 @@ def test_validation_every_epoch_and_at_the_end(run):
     assert re.search(r"done: 12 steps in .*, val_image_to_text_recall@1 \d", second)
 
 
+@pytest.mark.slow
 def test_wandb_offline_holds_the_logged_scalars_and_a_resume_continues_the_same_run(run):
     run_dir, _ = run
     runs = offline_runs(run_dir)
@@ -105,6 +108,7 @@ def test_wandb_offline_holds_the_logged_scalars_and_a_resume_continues_the_same_
                 assert history[step][key] == pytest.approx(value, rel=1e-12), (step, key)
 
 
+@pytest.mark.slow
 def test_the_report_png_and_its_table_come_from_the_metrics_file(run, capsys, tmp_path):
     run_dir, _ = run
     output = tmp_path / "report.png"

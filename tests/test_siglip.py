@@ -23,8 +23,8 @@ from clip_jax.evaluation.prompts import class_prompts
 from clip_jax.interop import convert
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.optim.adamw import decay_mask
-from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.loss import contrastive_loss_and_accuracy, sigmoid_loss_and_accuracy
 from clip_jax.training.step_factory import StepSpec, build_step
@@ -64,6 +64,7 @@ def meshes():
         Mesh(np.array(devices).reshape(2, 4), ("replica", "data"))]  # the FSDP grid: the batch over both axes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", meshes(), ids=["1", "2", "4", "8", "2x4"])
 def test_value_and_gradients_equal_float64_numpy_and_open_clip(mesh):
     rng = np.random.default_rng(0)
@@ -104,6 +105,7 @@ def test_memory_per_device_is_the_softmax_losss_never_the_global_square():
     assert sigmoid < 2 * (batch // 8) * batch * 4 < batch * batch * 4
 
 
+@pytest.mark.slow
 def test_a_model_config_with_init_logit_bias_has_the_bias_and_returns_it():
     config = get_model_config(SIGLIP_TINY)
     assert (config.init_logit_scale, config.init_logit_bias) == (math.log(10), -10.0)
@@ -155,6 +157,7 @@ def siglip_sgd_step(params, batch, *, n_devices, accum_steps=1, fsdp=False):
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
 
 
+@pytest.mark.slow
 def test_train_step_under_fsdp_and_accumulation_equals_the_plain_step_and_numpy():
     model = create_model(SIGLIP_TINY)
     params = jax.tree.map(np.asarray, init_params(model, jax.random.key(0)))
@@ -182,6 +185,7 @@ def siglip_torch_model():
     return open_clip_model({**OPEN_CLIP_TINY, "init_logit_scale": math.log(10), "init_logit_bias": -10.0}, seed=3)
 
 
+@pytest.mark.slow
 def test_conversion_carries_logit_bias_both_ways_and_open_clip_loads_it(siglip_torch_model):
     config = {**OPEN_CLIP_TINY, "init_logit_bias": -10.0}
     state_dict = state_dict_numpy(siglip_torch_model)

@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from clip_jax.data import fashion_mnist
 from clip_jax.interop import similarity
@@ -25,6 +26,7 @@ def test_one_image_per_class_in_class_order():
     np.testing.assert_array_equal(picked[:, 0, 0], [3, 1, 4, 0])
 
 
+@pytest.mark.slow
 def test_demo_prints_a_table_of_probabilities(tmp_path, capsys):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY_REAL_VOCAB))

@@ -100,6 +100,7 @@ def reference_lengths(captions) -> np.ndarray:
     return np.array([len(simple.encode(c)) + 2 for c in captions])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context_length", [CONTEXT_LENGTH, 9])
 def test_ids_and_truncation_match_open_clip(captions, reference_lengths, context_length, monkeypatch):
     expected = open_clip.tokenize(captions, context_length=context_length).numpy()
@@ -185,6 +186,7 @@ def test_bad_input_is_a_clear_error():
         tokenize("x", context_length=1)
 
 
+@pytest.mark.subprocess
 def test_imports_neither_torch_nor_tensorflow_nor_clu():
     code = (
         "import sys, clip_jax.tokenizer as t; t.tokenize('x');"

@@ -10,14 +10,8 @@ from jax.sharding import PartitionSpec as P
 from tiny_model import SGD, SGD_LR, assert_same_update
 
 from clip_jax.models import create_model, init_params, param_shapes
-from clip_jax.runtime.mesh import (
-    batch_sharding,
-    create_mesh,
-    fsdp_data_size,
-    fsdp_leaf_spec,
-    fsdp_spec,
-    make_global_batch,
-)
+from clip_jax.runtime.mesh import (batch_sharding, create_mesh, fsdp_data_size, fsdp_leaf_spec, fsdp_spec,
+                                   make_global_batch)
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 from clip_jax.training.train_step import TrainState, merge_micro_batches, split_micro_batches
 
@@ -58,6 +52,7 @@ def eight_device_step(model, params, batch):
     return sgd_step(model.config, params, batch, n_devices=8)
 
 
+@pytest.mark.slow
 def test_eight_devices_equal_one_device(params, one_device_step, eight_device_step):
     (after_1, metrics_1), (after_8, metrics_8) = one_device_step, eight_device_step
     assert_same_update(params, after_8, after_1)
@@ -71,12 +66,14 @@ def test_eight_devices_equal_one_device(params, one_device_step, eight_device_st
     assert metrics_1["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp_equals_replicated(model, params, batch, eight_device_step):
     after, metrics = sgd_step(model.config, params, batch, n_devices=8, fsdp=True)
     assert_same_update(params, after, eight_device_step[0])
     assert metrics["loss"] == pytest.approx(eight_device_step[1]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [4])  # micro-batches of one row per device
 def test_accumulation_with_fsdp_and_remat_equals_full_batch(model, params, batch, eight_device_step, accum_steps):
     after, metrics = sgd_step(model.config, params, batch, n_devices=8, accum_steps=accum_steps, fsdp=True,
@@ -86,6 +83,7 @@ def test_accumulation_with_fsdp_and_remat_equals_full_batch(model, params, batch
         assert metrics[name] == pytest.approx(eight_device_step[1][name], rel=1e-5), name
 
 
+@pytest.mark.slow
 def test_adamw_step_with_fsdp_shards_state_clamps_scale_and_donates(model, params, batch):
     adamw = OptimizerSpec(lr=1e-3, warmup=5, total_steps=100, weight_decay=0.2, grad_clip_norm=1.0)
     step = build_step(StepSpec(model.config, fsdp=True, optimizer=adamw), create_mesh())
@@ -165,6 +163,7 @@ def test_fsdp_grid_is_the_largest_split_every_large_leaf_allows(tiny_model_confi
     assert fsdp_leaf_spec(mesh, (2, 64, 256), stacked=True) == P(None, None, "data")
 
 
+@pytest.mark.slow
 def test_fsdp_on_a_replica_grid_equals_replicated(model, params, random_batch):
     """6 devices, weights of width 32 and 64: most leaves split 2 ways over a 3 x 2 grid. One SGD step equals the
     replicated step on the same devices, leaf by leaf; the state is split as the grid says."""
@@ -209,6 +208,7 @@ def compiled_step_memory(model, n_devices: int, per_device_batch: int, *, fsdp: 
     return step.compile(per_device_batch).memory_analysis()
 
 
+@pytest.mark.slow
 def test_fsdp_memory_per_device_does_not_grow_with_the_device_count():
     """At a fixed per-device batch, the FSDP step's temporaries stay flat from 2 to 8 devices (activations split
     over the batch, weights gathered where used), and a device holds less than a replica does."""

@@ -54,6 +54,7 @@ def torch_clip_loss(images, texts, scale, batch):
     return total / len(images)
 
 
+@pytest.mark.slow
 def test_recall_and_loss_equal_an_independent_computation(val_pattern, trainer_model_file):
     val_set = open_validation_set(val_pattern)
     assert val_set.num_images == NUM_IMAGES and len(val_set.captions) == NUM_IMAGES + -(-NUM_IMAGES // 3)

@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from clip_jax import plan as planner
 from clip_jax.models import create_model, get_model_config, init_params, is_resnet, list_models, param_shapes
+from clip_jax.run_config import default_config
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import GPUS, get_gpu
 from clip_jax.runtime.mesh import create_mesh, state_shardings
-from clip_jax.run_config import default_config
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 from clip_jax.training.train_step import init_train_state
 
@@ -39,6 +39,7 @@ def gpu_devices(gpu: str, nodes: int, per_node: int):
     return xla_gpu.devices(get_gpu(gpu), nodes, per_node)
 
 
+@pytest.mark.gpu_compile
 def test_the_cuda_plugin_is_installed_and_loads_without_a_gpu():
     assert xla_gpu.cuda_plugin_installed()
     devices = gpu_devices("h100", 2, 4)
@@ -46,6 +47,7 @@ def test_the_cuda_plugin_is_installed_and_loads_without_a_gpu():
     assert "H100" in devices[0].device_kind
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("gpu", [name for name, gpu in GPUS.items() if gpu.target])
 def test_every_target_config_compiles_a_matmul_for_its_gpu(gpu):
     devices = gpu_devices(gpu, 1, 2)
@@ -56,6 +58,8 @@ def test_every_target_config_compiles_a_matmul_for_its_gpu(gpu):
     assert xla_gpu.collectives(compiled.as_text()).count["all-reduce"] >= 1
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_path):
     """The planner's XLA:GPU figure equals the memory analysis of the step built by hand, compiled by JAX's own
     deviceless API over the same target config and topology."""
@@ -106,6 +110,8 @@ def fused_attention_shapes(hlo: str) -> dict[str, set[int]]:
 
 
 # ResNet image towers attend in their pool only, one query over the grid: no fused-attention kernel to check there
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in list_models() if not is_resnet(get_model_config(name))])
 def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forward_and_backward(name):
     config = get_model_config(name)
@@ -135,6 +141,8 @@ def param_bytes(setup, dtype_bytes: int) -> int:
     return dtype_bytes * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 def test_fsdp_gradients_are_reduce_scattered_and_a_replicas_all_reduced():
     """On 8 GPUs, bf16: FSDP sends each weight's gradient through a reduce-scatter (about the bf16 size of the
     model per step) and all-reduces next to nothing; a replica all-reduces the whole gradient."""
@@ -153,6 +161,8 @@ def test_fsdp_gradients_are_reduce_scattered_and_a_replicas_all_reduced():
     assert plain.bytes["reduce-scatter"] < 0.01 * weights  # the loss's feature gradients only
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 def test_fsdp_state_of_vit_l_14_shrinks_about_n_fold_on_384_gpus():
     """ViT-L-14's 1024 and 4096 wide kernels have no dimension 384 divides: FSDP splits them 128 ways over a
     3 x 128 grid, the rest 384 ways, so the state per device shrinks more than 128-fold (it stayed at 2.55 GiB, a
@@ -171,6 +181,7 @@ def test_fsdp_state_of_vit_l_14_shrinks_about_n_fold_on_384_gpus():
     assert planner.StepMemory.of(step).argument < replica / 50
 
 
+@pytest.mark.gpu_compile
 def test_collectives_in_a_loop_count_every_trip():
     mesh = create_mesh(gpu_devices("h200", 1, 4))
     x = jax.ShapeDtypeStruct((5, 64, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
@@ -224,6 +235,8 @@ def run_planner(*args, hide_cuda_plugin: bool = False) -> subprocess.CompletedPr
                            *args], capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, hide, message", [
     (["--gpu", "v100", "--gpus", "8"], False, "unknown GPU 'v100'; known: a100-40gb"),
     (["--gpu", "h100", "--gpus", "384", "--topology", "96x8"], False, "topology 96x8 holds 768 GPUs, not the 384"),
@@ -236,6 +249,9 @@ def test_bad_planner_input_gets_one_line_and_exit_status_2(args, hide, message):
     assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_path):
     model_file = tmp_path / "tiny.json"
     model_file.write_text(__import__("json").dumps(TINY))

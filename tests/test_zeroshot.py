@@ -18,20 +18,9 @@ from open_clip_reference import TINY, TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
-from clip_jax.evaluation import (
-    ClassificationSet,
-    ZeroShotEvaluator,
-    build_zeroshot_classifier,
-    evaluate_zeroshot,
-    image_folder_set,
-    imagenet_class_names,
-    imagenet_wnids,
-    label_ranks,
-    open_classification_set,
-    templates,
-    zeroshot,
-    zeroshot_logits,
-)
+from clip_jax.evaluation import (ClassificationSet, ZeroShotEvaluator, build_zeroshot_classifier, evaluate_zeroshot,
+                                 image_folder_set, imagenet_class_names, imagenet_wnids, label_ranks,
+                                 open_classification_set, templates, zeroshot, zeroshot_logits)
 from clip_jax.evaluation.prompts import class_prompts
 from clip_jax.evaluation.sources import ArraySource
 from clip_jax.interop import convert, weight_files
@@ -127,6 +116,7 @@ def test_a_folder_of_the_1000_wnids_gets_the_curated_names(tmp_path):
 # Parity with OpenCLIP
 
 
+@pytest.mark.slow
 def test_classifier_and_logits_equal_open_clips(torch_model, params, mesh, model):
     expected = open_clip.build_zero_shot_classifier(
         torch_model, tokenizer=open_clip.tokenize, classnames=SOME_CLASSES,
@@ -163,6 +153,7 @@ def _open_clip_accuracy(torch_model, classifier, loader):
     return correct1 / n, correct5 / n
 
 
+@pytest.mark.slow
 def test_accuracy_on_an_image_folder_equals_open_clips_eval(tmp_path, torch_model, tiny_json, capsys):
     """The whole path: OpenCLIP checkpoint file -> our script; vs. OpenCLIP's ImageFolder + eval transform +
     classifier + its own zero-shot loop."""
@@ -260,6 +251,8 @@ print("METRICS " + json.dumps(metrics))
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_two_processes_each_get_the_global_result(tmp_path, mesh, tiny_json, model):
     """33 images over 2 processes x 4 devices, 8 rows per process and step: process 0 reads 17 images in 3 steps,
     process 1 reads 16 and pads its third step entirely."""
