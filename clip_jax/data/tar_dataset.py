@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 import grain
 import numpy as np
 
-from clip_jax.data import tar_format, webdataset
 from clip_jax.data import shards as shards_lib
+from clip_jax.data import tar_format, webdataset
 from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)

@@ -18,23 +18,11 @@ from clip_jax.evaluation.benchmark import evaluate_benchmark
 from clip_jax.evaluation.classification import ZeroShotEvaluator, evaluate_zeroshot
 from clip_jax.evaluation.classifier import build_zeroshot_classifier, zeroshot_logits
 from clip_jax.evaluation.clip_benchmark import BenchmarkDataset, find_datasets, open_dataset, read_layout
-from clip_jax.evaluation.datasets import (
-    KINDS,
-    ClassificationSet,
-    demo_set,
-    image_folder_set,
-    open_classification_set,
-    tfds_set,
-)
+from clip_jax.evaluation.datasets import (KINDS, ClassificationSet, demo_set, image_folder_set, open_classification_set,
+                                          tfds_set)
 from clip_jax.evaluation.encoder import ShardedEncoder
-from clip_jax.evaluation.metrics import (
-    average_precision,
-    label_ranks,
-    mean_average_precision,
-    mean_per_class_recall,
-    retrieval_recall,
-    topk_accuracy,
-)
+from clip_jax.evaluation.metrics import (average_precision, label_ranks, mean_average_precision, mean_per_class_recall,
+                                         retrieval_recall, topk_accuracy)
 from clip_jax.evaluation.prompts import imagenet_class_names, imagenet_wnids, templates
 from clip_jax.evaluation.retrieval import evaluate_retrieval
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set

@@ -17,20 +17,13 @@ import json
 import os
 import sys
 
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.interop.pretrained import (
-    EXPORT_CONFIG,
-    EXPORT_WEIGHTS,
-    is_export_folder,
-    load_pretrained_variables,
-    read_run_config,
-    run_directory,
-    run_model_config,
-)
+from clip_jax.interop.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained_variables,
+                                         read_run_config, run_directory, run_model_config)
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.models.registry import get_model_config
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import ownership
 
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 LOCAL_DIR = "local-dir:"
 

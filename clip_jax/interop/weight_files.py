@@ -19,14 +19,8 @@ from typing import Any
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.interop.convert import (
-    _flatten,
-    _refuse_resnet,
-    from_open_clip,
-    to_open_clip,
-    variables_from_open_clip,
-    variables_to_open_clip,
-)
+from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
+                                      variables_to_open_clip)
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.runtime import ownership

@@ -27,13 +27,8 @@ every scanned block counted), `cost` (the speed model, the run's length, other G
 """
 
 from clip_jax.plan.flops import FlopsPerSample, flops_per_sample
-from clip_jax.plan.memory import (
-                                  BatchDoesNotFit,
-                                  StepMemory,
-                                  batch_bytes_per_device,
-                                  largest_fitting_batch,
-                                  state_bytes_per_device,
-)
+from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, batch_bytes_per_device, largest_fitting_batch,
+                                  state_bytes_per_device)
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, plan
 from clip_jax.plan.report import format_plan, plan_json
 from clip_jax.plan.result import Plan

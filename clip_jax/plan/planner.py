@@ -11,16 +11,8 @@ from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
 from clip_jax.plan.flops import flops_per_sample
-from clip_jax.plan.memory import (
-    BatchDoesNotFit,
-    StepMemory,
-    affine_fit,
-    batch_bytes_per_device,
-    largest_fitting_batch,
-    memory_savers,
-    smallest_accum,
-    state_bytes_per_device,
-)
+from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
+                                  largest_fitting_batch, memory_savers, smallest_accum, state_bytes_per_device)
 from clip_jax.plan.report import size
 from clip_jax.plan.result import DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram, Throughput
 from clip_jax.plan.steps import CompiledSteps, planned_spec

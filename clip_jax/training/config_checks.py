@@ -7,9 +7,9 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
+from clip_jax.models.layers import ATTENTION_CHOICES
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
-from clip_jax.models.layers import ATTENTION_CHOICES
 from clip_jax.training.loss import LOSSES
 from clip_jax.training.step_factory import OPTIMIZERS
 

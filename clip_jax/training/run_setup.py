@@ -16,14 +16,8 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput, RunFailed, UserError
 from clip_jax.runtime import ownership, storage
-from clip_jax.runtime.checkpoints import (
-    CheckpointMeta,
-    data_iter_files,
-    latest_complete_step,
-    read_meta,
-    resolve_resume,
-    saved_process_count,
-)
+from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta,
+                                          resolve_resume, saved_process_count)
 from clip_jax.training.config_checks import report_targets
 
 

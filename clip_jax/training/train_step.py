@@ -51,16 +51,8 @@ from jax.sharding import PartitionSpec as P
 from clip_jax.models.config import is_resnet
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.optim.adamw import clamp_logit_scale
-from clip_jax.runtime.mesh import (
-    LAYER_STACK_KEY,
-    batch_axes,
-    batch_sharding,
-    data_parallel_size,
-    fsdp_leaf_spec,
-    is_split,
-    path_names,
-    replicated,
-)
+from clip_jax.runtime.mesh import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
+                                   is_split, path_names, replicated)
 from clip_jax.training.loss import LOSSES
 
 
