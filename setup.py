@@ -46,6 +46,9 @@ setup(
         # The parity tests run the real OpenCLIP package; pip takes these torch builds from local files where present.
         "test": [
             "pytest>=9.0",
+            # The suite runs in two worker processes, a test module to each (.ci/run): one waits on a subprocess or a
+            # compile while the other computes.
+            "pytest-xdist>=3.6",
             "torch==2.14.1",
             "torchvision==0.29.1",
             "open-clip-torch==3.3.0",
