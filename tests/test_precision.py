@@ -151,8 +151,8 @@ def _gradients_by_tower(state) -> dict[str, dict[str, np.ndarray]]:
     image tower (`visual`) and for the rest (the text tower and the logit scale)."""
     towers = {"visual": {}, "text": {}}
     for path, mu in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]:
-        towers["visual" if path[0].key == "visual" else "text"][jax.tree_util.keystr(path)] = np.asarray(mu,
-                                                                                                          np.float64)
+        tower = "visual" if path[0].key == "visual" else "text"
+        towers[tower][jax.tree_util.keystr(path)] = np.asarray(mu, np.float64)
     return towers
 
 

@@ -72,12 +72,12 @@ def assert_bf16_features_close(fp32_apply, bf16_apply, params, images, tokens):
     The rounded inputs are the error no bfloat16 computation avoids; computing in bfloat16 rounds every activation
     as well. Measured with the two tests' models (tests/test_models.py's TINY and tests/test_model_options.py's
     HEAVY, float32 params): the ratio is 1.78 to 1.89 at the tests' seeds, 0.61 to 2.28 over six seeds of each
-    model's params and inputs, so 3 leaves 1.3x over the worst. (The float32 features are within 1e-5 of
-    OpenCLIP's, tests/test_model_parity.py: nothing beside either.) A bfloat16-only bug fails it where the former bound (atol 3e-2 or 5e-2 on the unit features)
-    did not: attention logits scaled 5% off give 3.4 to 6.0 (their largest element off by 1.8e-2 at most), 10% off
-    5.7 to 11.7 (3.4e-2); LayerScale skipped gives 15 to 363, the text MLPs skipped 180 to 200. LayerNorm
-    statistics or the final L2 norm done in bfloat16 stay within the rounding here (2.2 at most): at these widths
-    they cost no more than rounding the activations does."""
+    model's params and inputs, so 3 leaves 1.3x over the worst (the float32 features themselves are within 1e-5 of
+    OpenCLIP's: tests/test_model_parity.py). A bfloat16-only bug fails it where the former bound (atol 3e-2 or 5e-2
+    on the unit features) did not: attention logits scaled 5% off give 3.4 to 6.0 (their largest element off by
+    1.8e-2 at most), 10% off 5.7 to 11.7 (3.4e-2); LayerScale skipped gives 15 to 363, the text MLPs skipped 180 to
+    200. LayerNorm statistics or the final L2 norm done in bfloat16 stay within the rounding here (2.2 at most): at
+    these widths they cost no more than rounding the activations does."""
     expected = [np.asarray(f, np.float64) for f in fp32_apply({"params": params}, images, tokens)[:2]]
     got = bf16_apply({"params": params}, images, tokens)[:2]
     to_bf16 = lambda x: np.asarray(jax.numpy.asarray(x).astype("bfloat16").astype("float32"))  # noqa: E731
