@@ -2,7 +2,6 @@
 without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings); a private loopback
 and a session-wide XLA compilation cache. Also the tiny models and the random batch the tests share."""
 
-import collections
 import copy
 import json
 import os
@@ -75,17 +74,6 @@ MARKERS = {
 def pytest_configure(config):
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False  # pytest-xdist takes the modules in the order below
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Modules with the most slow tests first, each module's tests in their own order: pytest-xdist hands its
-    workers a module at a time in this order, so the long modules start early and the short ones fill the end,
-    where a long module taken last would leave the other worker idle."""
-    slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
-    first_seen = {name: i for i, name in enumerate(dict.fromkeys(item.module.__name__ for item in items))}
-    items.sort(key=lambda item: (-slow[item.module.__name__], first_seen[item.module.__name__]))
 
 
 def pytest_unconfigure(config):
