@@ -17,6 +17,14 @@ PRECISIONS = ("fp32", "bf16", "pure_bf16")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
 REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
+# The fields that take one of a list of names, with their lists.
+CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), ("resume_data", RESUME_DATA),
+           ("opt", OPTIMIZERS), ("loss", tuple(LOSSES)), ("attention_impl", ATTENTION_CHOICES))
+
+
+def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:
+    """One line for each (field, names) of `choices` whose value in `c` is not among its names."""
+    return [f"{field}={c[field]!r}: choose one of {names}" for field, names in choices if c[field] not in names]
 
 
 def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
@@ -25,19 +33,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     if not c.train_data and c.dataset_type != "synthetic":
         problems.append("train_data is empty: give the shard pattern, e.g. "
                         "--config.train_data='/data/{00000..00099}.tar'")
-    if c.precision not in PRECISIONS:
-        problems.append(f"precision={c.precision!r}: choose one of {PRECISIONS}")
-    if c.on_instability not in INSTABILITY_ACTIONS:
-        problems.append(f"on_instability={c.on_instability!r}: choose one of {INSTABILITY_ACTIONS}")
-    if c.resume_data not in RESUME_DATA:
-        problems.append(f"resume_data={c.resume_data!r}: choose one of {RESUME_DATA}")
+    problems.extend(choice_problems(c, CHOICES[:3]))
     problems.extend(report_to_problems(c))
-    if c.opt not in OPTIMIZERS:
-        problems.append(f"opt={c.opt!r}: choose one of {OPTIMIZERS}")
-    if c.loss not in LOSSES:
-        problems.append(f"loss={c.loss!r}: choose one of {tuple(LOSSES)}")
-    if c.attention_impl not in ATTENTION_CHOICES:
-        problems.append(f"attention_impl={c.attention_impl!r}: choose one of {ATTENTION_CHOICES}")
+    problems.extend(choice_problems(c, CHOICES[3:]))
     for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",
                   "nan_patience"):
         if c[field] < 1:
