@@ -92,6 +92,12 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Precision and memory.
     c.precision = "bf16"  # fp32 | bf16 | pure_bf16; may change when resuming
+    # Gradients summed across devices in float32 (as OpenCLIP's DDP) | bfloat16 (half the all-reduce bytes, a 16-bit
+    # policy's compute dtype; under fp32 they are float32 whatever this says)
+    c.grad_reduce_dtype = "float32"
+    # The residual stream between the transformer blocks: in the compute dtype | float32 (as OpenCLIP's autocast
+    # keeps it: more activation memory, see models.precision)
+    c.residual_dtype = "compute"
     c.grad_checkpointing = True  # rematerialise every residual block ...
     c.remat_policy = "nothing_saveable"  # ... under this jax.checkpoint policy
     c.fsdp = False  # shard params and optimizer state over the data axis (ZeRO-3)

@@ -327,6 +327,8 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
     ({"batch_size": 6, "accum_freq": 4}, "not divisible by accum_freq=4"),
     ({"resume": "/nonexistent/run"}, "resume='/nonexistent/run' does not exist"),
     ({"resume_data": "fresh"}, "resume_data='fresh': choose one of ('exact', 'allow_reseed')"),
+    ({"grad_reduce_dtype": "bf16"}, "grad_reduce_dtype='bf16': choose one of ('float32', 'bfloat16')"),
+    ({"residual_dtype": "fp32"}, "residual_dtype='fp32': choose one of ('compute', 'float32')"),
     ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):

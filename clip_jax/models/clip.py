@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, is_resnet
-from clip_jax.models.layers import ATTENTION_IMPLS, Dtype, Transformer, resolve_remat_policy, tower_norm
+from clip_jax.models import mixed_precision
+from clip_jax.models.layers import ATTENTION_IMPLS, Dense, Dtype, Transformer, resolve_remat_policy, tower_norm
 from clip_jax.models.registry import get_model_config
 from clip_jax.models.resnet import ModifiedResNet
 from clip_jax.models.vit import VisionTransformer
@@ -44,6 +45,21 @@ def embed_cls_mask(tokens, pad_id: int):
     return jnp.broadcast_to(keys[:, None, None, :], (tokens.shape[0], 1, keys.shape[1], keys.shape[1]))
 
 
+class TokenEmbedding(nn.Module):
+    """`flax.linen.Embed`'s parameter (`embedding` [vocab, width]) and lookup, its gradient in `grad_dtype`."""
+
+    vocab_size: int
+    width: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    grad_dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, tokens):  # [B, L] int -> [B, L, width]
+        table = self.param("embedding", nn.initializers.normal(0.02), (self.vocab_size, self.width), self.param_dtype)
+        return mixed_precision.embed(table, tokens, self.dtype, self.grad_dtype)
+
+
 class CLIP(nn.Module):
     """`apply({"params": p}, images, tokens) -> (image_features, text_features, exp(logit_scale))`, features
     L2-normalised in float32, and `logit_bias` after them when the config has `init_logit_bias` (a SigLIP model,
@@ -60,6 +76,8 @@ class CLIP(nn.Module):
     remat_policy: str = "none"
     attention_impl: str | None = None
     layer_params_hook: Callable | None = None
+    grad_dtype: Dtype | None = None  # parameter gradients computed and summed in this dtype (see `mixed_precision`)
+    residual_dtype: Dtype | None = None  # the residual stream's dtype in both towers (None: the compute dtype)
 
     def setup(self):
         cfg, text = self.config, self.config.text
@@ -68,9 +86,9 @@ class CLIP(nn.Module):
         else:
             self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
                                             self.param_dtype, self.remat_policy, self.attention_impl,
-                                            self.layer_params_hook)
-        self.token_embedding = nn.Embed(text.vocab_size, text.width, dtype=self.dtype, param_dtype=self.param_dtype,
-                                        embedding_init=nn.initializers.normal(0.02))
+                                            self.layer_params_hook, self.grad_dtype, self.residual_dtype)
+        self.token_embedding = TokenEmbedding(text.vocab_size, text.width, self.dtype, self.param_dtype,
+                                              self.grad_dtype)
         if text.embed_cls:
             self.cls_emb = self.param("cls_emb", nn.initializers.normal(0.01), (text.width,), self.param_dtype)
         self.positional_embedding = self.param("positional_embedding", nn.initializers.normal(0.01),
@@ -79,11 +97,12 @@ class CLIP(nn.Module):
                                        causal=not text.no_causal_mask, quick_gelu=cfg.quick_gelu, dtype=self.dtype,
                                        param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                                        attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
-                                       block=text.block)
+                                       block=text.block, grad_dtype=self.grad_dtype,
+                                       residual_dtype=self.residual_dtype)
         self.ln_final = tower_norm(text.block, self.dtype, self.param_dtype)
         if text.proj_bias:
-            self.text_projection = nn.Dense(cfg.embed_dim, dtype=self.dtype, param_dtype=self.param_dtype,
-                                            kernel_init=nn.initializers.normal(text.width**-0.5))
+            self.text_projection = Dense(cfg.embed_dim, nn.initializers.normal(text.width**-0.5), self.dtype,
+                                         self.param_dtype, self.grad_dtype)
         elif text.proj_type != "none":
             self.text_projection = self.param("text_projection", nn.initializers.normal(text.width**-0.5),
                                               (text.width, cfg.embed_dim), self.param_dtype)
@@ -108,10 +127,10 @@ class CLIP(nn.Module):
         x = self.token_embedding(tokens)  # [B, L, W]
         mask = None
         if text.embed_cls:  # CoCa's class embedding after the tokens, and OpenCLIP's key mask for padding
-            cls = jnp.broadcast_to(self.cls_emb.astype(self.dtype), (x.shape[0], 1, text.width))
+            cls = mixed_precision.broadcast(self.cls_emb, (x.shape[0], 1, text.width), self.dtype, self.grad_dtype)
             x = jnp.concatenate([x, cls], axis=1)  # [B, L + 1, W]
             mask = embed_cls_mask(tokens, text.pad_id)
-        x = x + self.positional_embedding.astype(self.dtype)
+        x = mixed_precision.add(x, self.positional_embedding, self.grad_dtype)
         x = self.transformer(x, mask)
         if text.embed_cls:  # the class token, whatever pool_type says, normalised after pooling
             x = self.ln_final(x[:, -1])  # [B, W]
@@ -124,7 +143,7 @@ class CLIP(nn.Module):
         elif text.proj_type == "none":
             features = x
         else:
-            features = x @ self.text_projection.astype(self.dtype)
+            features = mixed_precision.dense(x, self.text_projection, None, self.dtype, self.grad_dtype)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def __call__(self, images, tokens, kept_patches=None, train: bool = False):
@@ -137,7 +156,8 @@ class CLIP(nn.Module):
 
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, remat_policy: str = "none",
-                 attention_impl: str | None = None) -> CLIP:
+                 attention_impl: str | None = None, grad_dtype: Dtype | None = None,
+                 residual_dtype: Dtype | None = None) -> CLIP:
     """A CLIP module for a registered name, an OpenCLIP model-config dict or .json path, or a `CLIPConfig`.
 
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
@@ -145,13 +165,17 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     every residual block ("none" keeps all activations); `attention_impl` is passed to
     `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU). Every
     tower option keeps the fused kernel but one: a text tower with `embed_cls` masks padding keys, a mask the fused
-    kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`).
+    kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`). `grad_dtype`:
+    the dtype parameter gradients are computed and summed over the batch in (`mixed_precision`; None: autodiff's,
+    the compute dtype). `residual_dtype`: the residual stream's through the blocks (None: the compute dtype).
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
     if attention_impl not in ATTENTION_IMPLS:
         raise InvalidInput(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
-    return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl)
+    as_dtype = lambda d: None if d is None else jnp.dtype(d)  # noqa: E731
+    return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl,
+                grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype))
 
 
 def dummy_inputs(config: CLIPConfig, batch_size: int = 1):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
+from clip_jax.models import mixed_precision
 from clip_jax.models.config import BlockConfig
 
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
@@ -50,25 +51,59 @@ def remat_policy_names() -> list[str]:
 
 
 def resolve_remat_policy(name: str):
-    """The `jax.checkpoint` policy for a name; None for "none" (no rematerialisation)."""
+    """The `jax.checkpoint` policy for a name; None for "none" (no rematerialisation). A policy that saves matmul
+    outputs ("dots_...") also saves those of `mixed_precision.dense`, whose custom VJP hides the matmul from it."""
     if name == "none":
         return None
     if name not in remat_policy_names():
         raise InvalidInput(f"unknown remat_policy {name!r}; choose one of {remat_policy_names()}")
-    return getattr(jax.checkpoint_policies, name)
+    policies = jax.checkpoint_policies
+    policy = getattr(policies, name)
+    if name.startswith("dots"):
+        return policies.save_from_both_policies(policy, policies.save_only_these_names(mixed_precision.MATMUL_OUTPUT))
+    return policy
 
 
 def gelu(x, quick: bool = False, approximate: str = "none"):
     """Exact (erf) GELU as OpenCLIP uses; QuickGELU x * sigmoid(1.702 x) for OpenAI's original weights; the tanh
-    approximation when a tower's act_kwargs ask for torch's `approximate="tanh"`."""
+    approximation when a tower's act_kwargs ask for torch's `approximate="tanh"`. A 16-bit `x` is computed in
+    float32 and rounded once; its backward keeps only `x` and recomputes the rest (`_lean_gelu`)."""
+    if is_16_bit(x.dtype):
+        return _lean_gelu(x, quick, approximate)
+    return _gelu(x, quick, approximate)
+
+
+def is_16_bit(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 2
+
+
+def _gelu(x, quick: bool, approximate: str):
     if quick:
         return x * jax.nn.sigmoid(1.702 * x)
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _lean_gelu(x, quick: bool, approximate: str):
+    return _gelu(x.astype(jnp.float32), quick, approximate).astype(x.dtype)
+
+
+def _lean_gelu_forward(x, quick, approximate):
+    return _lean_gelu(x, quick, approximate), x  # the 16-bit input is all the backward keeps
+
+
+def _lean_gelu_backward(quick, approximate, x, cotangent):
+    _, pullback = jax.vjp(lambda x32: _gelu(x32, quick, approximate), x.astype(jnp.float32))
+    return (pullback(cotangent.astype(jnp.float32))[0].astype(x.dtype),)
+
+
+_lean_gelu.defvjp(_lean_gelu_forward, _lean_gelu_backward)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with OpenCLIP's (torch's) eps 1e-5 by default, statistics in float32, output in the compute dtype.
-    `use_scale` / `use_bias` False: torch's `elementwise_affine=False` / `bias=False` (no such parameter)."""
+    `use_scale` / `use_bias` False: torch's `elementwise_affine=False` / `bias=False` (no such parameter). A 16-bit
+    input or output runs `_lean_layer_norm` (the same float32 arithmetic, a backward that keeps less)."""
 
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -79,15 +114,55 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         width = x.shape[-1]
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        scale = bias = None
         if self.use_scale:
-            y = y * self.param("scale", nn.initializers.ones, (width,), self.param_dtype).astype(jnp.float32)
+            scale = self.param("scale", nn.initializers.ones, (width,), self.param_dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (width,), self.param_dtype).astype(jnp.float32)
-        return y.astype(self.dtype)
+            bias = self.param("bias", nn.initializers.zeros, (width,), self.param_dtype)
+        if is_16_bit(x.dtype) or is_16_bit(self.dtype):
+            return _lean_layer_norm(x, scale, bias, self.eps, jnp.dtype(self.dtype))
+        return _layer_norm(x, scale, bias, self.eps)[0].astype(self.dtype)
+
+
+def _layer_norm(x, scale, bias, eps: float):
+    """(y, mean, 1 / std) in float32, the statistics per row (over the last axis)."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
+    y = (x32 - mean) * rstd
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y, mean, rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _lean_layer_norm(x, scale, bias, eps: float, out_dtype):
+    """LayerNorm of a 16-bit `x` whose backward keeps `x` and the per-row float32 statistics, not autodiff's float32
+    copies of `x`, `x - mean` and the normalised rows (two to three times the bytes of every activation)."""
+    return _layer_norm(x, scale, bias, eps)[0].astype(out_dtype)
+
+
+def _lean_layer_norm_forward(x, scale, bias, eps, out_dtype):
+    y, mean, rstd = _layer_norm(x, scale, bias, eps)
+    return y.astype(out_dtype), (x, scale, bias, mean, rstd)
+
+
+def _lean_layer_norm_backward(eps, out_dtype, saved, cotangent):
+    x, scale, bias, mean, rstd = saved
+    g = cotangent.astype(jnp.float32)
+    normed = (x.astype(jnp.float32) - mean) * rstd
+    rows = tuple(range(x.ndim - 1))
+    d_scale = None if scale is None else jnp.sum(g * normed, rows).astype(scale.dtype)
+    d_bias = None if bias is None else jnp.sum(g, rows).astype(bias.dtype)
+    if scale is not None:
+        g = g * scale.astype(jnp.float32)
+    d_x = rstd * (g - g.mean(-1, keepdims=True) - normed * (g * normed).mean(-1, keepdims=True))
+    return d_x.astype(x.dtype), d_scale, d_bias
+
+
+_lean_layer_norm.defvjp(_lean_layer_norm_forward, _lean_layer_norm_backward)
 
 
 def tower_norm(block: BlockConfig, dtype, param_dtype, name: str | None = None) -> LayerNorm:
@@ -100,11 +175,30 @@ class LayerScale(nn.Module):
 
     init_value: float
     param_dtype: Dtype = jnp.float32
+    grad_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, x):
         gamma = self.param("gamma", nn.initializers.constant(self.init_value), (x.shape[-1],), self.param_dtype)
-        return x * gamma.astype(x.dtype)
+        return mixed_precision.scale(x, gamma, self.grad_dtype)
+
+
+class Dense(nn.Module):
+    """`flax.linen.Dense`'s parameters (`kernel` [in, out], `bias` [out]) and result, its kernel's and bias's
+    gradients in `grad_dtype` (see `mixed_precision`; None: the compute dtype)."""
+
+    features: int
+    kernel_init: Callable
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    grad_dtype: Dtype | None = None
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
+        return mixed_precision.dense(x, kernel, bias, self.dtype, self.grad_dtype)
 
 
 def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple: int | None = None, *,
@@ -153,14 +247,15 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention_impl: str | None = None
     block: BlockConfig = BlockConfig()
+    grad_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, x, mask=None):  # [B, T, W]
         batch, length, _ = x.shape
         head_dim = self.width // self.heads
         opts = self.block
-        qkv = nn.Dense(3 * self.width, dtype=self.dtype, param_dtype=self.param_dtype,
-                       kernel_init=nn.initializers.normal(self.width**-0.5), name="in_proj")(x)  # [B, T, 3W]
+        qkv = Dense(3 * self.width, nn.initializers.normal(self.width**-0.5), self.dtype, self.param_dtype,
+                    self.grad_dtype, name="in_proj")(x)  # [B, T, 3W]
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.heads, head_dim), 3, axis=2)  # [B, T, N, H] each
         scale = None
         if opts.scaled_cosine_attn:  # Swin-V2: cos(q, k) * exp(min(s_head, ln 100)), s_head learned, init ln 10
@@ -175,12 +270,12 @@ class Attention(nn.Module):
         out = attention(q, k, v, self.causal, self.attention_impl, mask=mask, scale=scale)  # [B, T, N, H]
         if opts.scale_heads:  # NormFormer's per-head scale of the attention output
             head_scale = self.param("head_scale", nn.initializers.ones, (self.heads, 1, 1), self.param_dtype)
-            out = out * head_scale.reshape(self.heads, 1).astype(out.dtype)
+            out = mixed_precision.scale(out, head_scale.reshape(self.heads, 1), self.grad_dtype)
         out = out.reshape(batch, length, self.width)
         if opts.scale_attn_inner:
             out = tower_norm(opts, self.dtype, self.param_dtype, "ln_inner")(out)
-        return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
-                        kernel_init=nn.initializers.normal(self.out_std), name="out_proj")(out)
+        return Dense(self.width, nn.initializers.normal(self.out_std), self.dtype, self.param_dtype, self.grad_dtype,
+                     name="out_proj")(out)
 
 
 class MLP(nn.Module):
@@ -191,16 +286,17 @@ class MLP(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     block: BlockConfig = BlockConfig()
+    grad_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Dense(self.mlp_width, dtype=self.dtype, param_dtype=self.param_dtype,
-                     kernel_init=nn.initializers.normal((2 * self.width) ** -0.5), name="c_fc")(x)
+        x = Dense(self.mlp_width, nn.initializers.normal((2 * self.width) ** -0.5), self.dtype, self.param_dtype,
+                  self.grad_dtype, name="c_fc")(x)
         x = gelu(x, self.quick_gelu, self.block.gelu_approximate)
         if self.block.scale_fc:  # NormFormer's LayerNorm after the activation
             x = tower_norm(self.block, self.dtype, self.param_dtype, "ln")(x)
-        return nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype,
-                        kernel_init=nn.initializers.normal(self.out_std), name="c_proj")(x)
+        return Dense(self.width, nn.initializers.normal(self.out_std), self.dtype, self.param_dtype, self.grad_dtype,
+                     name="c_proj")(x)
 
 
 class ResidualBlock(nn.Module):
@@ -218,25 +314,26 @@ class ResidualBlock(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention_impl: str | None = None
     block: BlockConfig = BlockConfig()
+    grad_dtype: Dtype | None = None
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask):  # x: the residual stream, in its own dtype; each branch adds in it
         # Output projections start smaller as depth grows, as in OpenCLIP's text tower initialisation.
         out_std = self.width**-0.5 * (2 * self.layers) ** -0.5
         opts = self.block
         norm = lambda name: tower_norm(opts, self.dtype, self.param_dtype, name)  # noqa: E731
         y = Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
-                      self.attention_impl, opts, name="attn")(norm("ln_1")(x), mask)
+                      self.attention_impl, opts, self.grad_dtype, name="attn")(norm("ln_1")(x), mask)
         if opts.scale_attn:
             y = norm("ln_attn")(y)
         if opts.ls_init_value is not None:
-            y = LayerScale(opts.ls_init_value, self.param_dtype, name="ls_1")(y)
-        x = x + y
+            y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_1")(y)
+        x = x + y.astype(x.dtype)
         y = MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype, opts,
-                name="mlp")(norm("ln_2")(x))
+                self.grad_dtype, name="mlp")(norm("ln_2")(x))
         if opts.ls_init_value is not None:
-            y = LayerScale(opts.ls_init_value, self.param_dtype, name="ls_2")(y)
-        return x + y, None
+            y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_2")(y)
+        return x + y.astype(x.dtype), None
 
 
 class Transformer(nn.Module):
@@ -249,6 +346,7 @@ class Transformer(nn.Module):
     time. It applies when the model is applied, not when it is initialised.
 
     `mask` ([B, 1, T, T] bool or None): an attention mask every block applies on top of `causal`.
+    `residual_dtype`: the residual stream's dtype through the blocks and out of them (None: the compute dtype).
     """
 
     width: int
@@ -263,6 +361,8 @@ class Transformer(nn.Module):
     attention_impl: str | None = None
     layer_params_hook: Callable | None = None
     block: BlockConfig = BlockConfig()
+    grad_dtype: Dtype | None = None
+    residual_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, x, mask=None):  # [B, T, W]
@@ -274,6 +374,7 @@ class Transformer(nn.Module):
             block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
                         in_axes=nn.broadcast)
+        x = x.astype(self.residual_dtype or self.dtype)
         x, _ = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu, self.dtype,
-                     self.param_dtype, self.attention_impl, self.block, name="resblocks")(x, mask)
+                     self.param_dtype, self.attention_impl, self.block, self.grad_dtype, name="resblocks")(x, mask)
         return x

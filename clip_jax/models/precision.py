@@ -9,6 +9,17 @@
 Under every policy the norms, the features, the logits, the softmax and the loss are float32 (the model
 returns fp32 features; the loss casts). A policy changes dtypes only, never the parameter tree, so a run can
 resume under another one.
+
+Gradients are summed over the batch, and so across devices, in `grad_reduce_dtype`: "float32" by default under
+every policy (as OpenCLIP's DDP sums float32 gradients), "bfloat16" to let a 16-bit policy sum them in its compute
+dtype (half the bytes of the gradient all-reduce, with an 8-bit mantissa for every partial sum). Under `fp32` they
+are float32 whatever it says.
+
+The residual stream between the transformer blocks is in `residual_dtype`: "compute" (the default: the compute
+dtype) or "float32". OpenCLIP under torch's autocast keeps it in float32 (its embeddings are float32 parameters
+added to the stream, and each block's bf16 branch output is added into it). The default halves the bytes the
+backward keeps at every block boundary and every LayerNorm input, which decides whether ViT-L/14 fits without
+remat (benchmarks/RESULTS.md section 19, with the measured distance of each from the fp32 step).
 """
 
 import dataclasses
@@ -31,6 +42,27 @@ POLICIES = {
     "bf16": PrecisionPolicy("bf16", jnp.float32, jnp.bfloat16),
     "pure_bf16": PrecisionPolicy("pure_bf16", jnp.bfloat16, jnp.bfloat16),
 }
+
+
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+RESIDUAL_DTYPES = ("compute", "float32")
+
+
+def model_residual_dtype(residual_dtype: str):
+    """The model's `residual_dtype` for the config's: None ("compute": the policy's compute dtype) or float32."""
+    if residual_dtype not in RESIDUAL_DTYPES:
+        raise InvalidInput(f"residual_dtype={residual_dtype!r}: choose one of {RESIDUAL_DTYPES}")
+    return None if residual_dtype == "compute" else jnp.dtype(jnp.float32)
+
+
+def model_grad_dtype(policy: PrecisionPolicy, grad_reduce_dtype: str):
+    """The model's `grad_dtype` for a policy and a `grad_reduce_dtype`: float32 where the compute dtype is narrower
+    and float32 is asked for, else None (autodiff's gradients, in the compute dtype)."""
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise InvalidInput(f"grad_reduce_dtype={grad_reduce_dtype!r}: choose one of {GRAD_REDUCE_DTYPES}")
+    if grad_reduce_dtype == "float32" and jnp.dtype(policy.compute_dtype).itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return None
 
 
 def get_policy(name: str) -> PrecisionPolicy:

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from clip_jax.models import mixed_precision
 from clip_jax.models.config import VisionConfig
 from clip_jax.models.layers import Dtype, Transformer, tower_norm
 
@@ -29,6 +30,8 @@ class VisionTransformer(nn.Module):
     remat_policy: str = "none"
     attention_impl: str | None = None
     layer_params_hook: Callable | None = None
+    grad_dtype: Dtype | None = None  # see `mixed_precision`
+    residual_dtype: Dtype | None = None  # see `Transformer`
 
     @nn.compact
     def __call__(self, images, kept_patches=None):  # [B, H, W, 3] -> [B, embed_dim]
@@ -37,15 +40,14 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"image tower expects images of shape [B, {cfg.image_size}, {cfg.image_size}, 3] "
                              f"(NHWC), got {tuple(images.shape)}")
         scale = cfg.width**-0.5
-        patches = nn.Conv(cfg.width, (cfg.patch_size,) * 2, strides=(cfg.patch_size,) * 2, padding="VALID",
-                          use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="conv1")(images)
-        x = patches.reshape(images.shape[0], cfg.grid_size**2, cfg.width)  # [B, g*g, W], row-major patch order
+        x = self.patchify(images)  # [B, g*g, W], row-major patch order
         class_embedding = self.param("class_embedding", nn.initializers.normal(scale), (cfg.width,), self.param_dtype)
-        class_token = jnp.broadcast_to(class_embedding.astype(self.dtype), (x.shape[0], 1, cfg.width))
+        class_token = mixed_precision.broadcast(class_embedding, (x.shape[0], 1, cfg.width), self.dtype,
+                                                self.grad_dtype)
         x = jnp.concatenate([class_token, x], axis=1)  # [B, T, W]
         positional_embedding = self.param("positional_embedding", nn.initializers.normal(scale),
                                           (cfg.num_tokens, cfg.width), self.param_dtype)
-        x = x + positional_embedding.astype(self.dtype)
+        x = mixed_precision.add(x, positional_embedding, self.grad_dtype)
         if kept_patches is not None:
             # take_along_axis keeps the batch a batch dimension of the gather: it stays split over devices
             kept = jnp.take_along_axis(x[:, 1:], kept_patches[:, :, None], axis=1)  # [B, K, W]
@@ -56,14 +58,46 @@ class VisionTransformer(nn.Module):
         x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
-                        block=cfg.block, name="transformer")(x)
+                        block=cfg.block, grad_dtype=self.grad_dtype, residual_dtype=self.residual_dtype,
+                        name="transformer")(x)
         pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
         if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
             pooled = norm("ln_post")(pool(x))  # [B, W]
         else:
             pooled = pool(norm("ln_post")(x))
         proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
-        return pooled @ proj.astype(self.dtype)
+        return mixed_precision.dense(pooled, proj, None, self.dtype, self.grad_dtype)
+
+    def patchify(self, images):
+        """[B, H, W, 3] -> [B, g*g, W]: `conv1`, a stride-`patch_size` convolution without bias (kernel HWIO). With
+        a `grad_dtype` it runs as the matmul it is over the flattened patches, so its kernel's gradient does too."""
+        cfg, size = self.config, self.config.patch_size
+        if self.grad_dtype is None:
+            patches = nn.Conv(cfg.width, (size, size), strides=(size, size), padding="VALID", use_bias=False,
+                              dtype=self.dtype, param_dtype=self.param_dtype, name="conv1")(images)
+            return patches.reshape(images.shape[0], cfg.grid_size**2, cfg.width)
+        return PatchMatmul(cfg.width, size, self.dtype, self.param_dtype, self.grad_dtype, name="conv1")(images)
+
+
+class PatchMatmul(nn.Module):
+    """`conv1` as a matmul: non-overlapping `size` x `size` patches, flattened in the kernel's (row, column,
+    channel) order, times the kernel [size, size, 3, width] (flax's `Conv` parameter, initialised as it is)."""
+
+    width: int
+    size: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    grad_dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, images):  # [B, H, W, C] -> [B, (H / size) * (W / size), width]
+        batch, height, width, channels = images.shape
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.size, self.size, channels, self.width),
+                            self.param_dtype)
+        rows, cols = height // self.size, width // self.size
+        patches = images.reshape(batch, rows, self.size, cols, self.size, channels).transpose(0, 1, 3, 2, 4, 5)
+        patches = patches.reshape(batch, rows * cols, self.size * self.size * channels)
+        return mixed_precision.dense(patches, kernel.reshape(-1, self.width), None, self.dtype, self.grad_dtype)
 
 
 def kept_patch_count(num_patches: int, patch_dropout: float) -> int:

@@ -110,6 +110,8 @@ class Collectives:
 
     count: dict[str, int]
     bytes: dict[str, int]
+    # the same bytes split by element type, {kind: {"f32": n, "bf16": n, ...}}
+    bytes_by_dtype: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         parts = [f"{kind} {self.count[kind]} ({self.bytes[kind] / 2**30:.2f} GiB)" for kind in COLLECTIVES
@@ -117,13 +119,14 @@ class Collectives:
         return ", ".join(parts) or "none"
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
+def _shape_bytes(text: str) -> dict[str, int]:
+    """The bytes of every buffer in a shape, {element type: bytes}."""
+    total: dict[str, int] = {}
     for dtype, dims in _SHAPE.findall(text):
         size = 1
         for d in filter(None, dims.split(",")):
             size *= int(d)
-        total += size * _BYTES.get(dtype, 1)
+        total[dtype] = total.get(dtype, 0) + size * _BYTES.get(dtype, 1)
     return total
 
 
@@ -145,13 +148,16 @@ def _tuple_elements(shape: str) -> list[str]:
     return elements
 
 
-def _collective_bytes(kind: str, result: str, line: str, started: bool) -> int:
-    """The bytes of the whole buffer taking part in one collective (see `Collectives`). An all-gather-start or
-    reduce-scatter-start returns (operands, results); an all-reduce-start, like the synchronous ones, its results."""
+def _collective_bytes(kind: str, result: str, line: str, started: bool) -> dict[str, int]:
+    """The bytes of the whole buffer taking part in one collective (see `Collectives`), by element type. An
+    all-gather-start or reduce-scatter-start returns (operands, results); an all-reduce-start, like the synchronous
+    ones, its results."""
     parts = _tuple_elements(result)
     paired = started and kind != "all-reduce" and len(parts) == 2
     if kind == "reduce-scatter":
-        return _shape_bytes(parts[0]) if paired else _shape_bytes(result) * _group_size(line)
+        if paired:
+            return _shape_bytes(parts[0])
+        return {dtype: n * _group_size(line) for dtype, n in _shape_bytes(result).items()}
     return _shape_bytes(parts[1] if paired else result)
 
 
@@ -198,7 +204,7 @@ def collectives(hlo_text: str) -> Collectives:
     if entry is not None:
         visit(entry, 1)
     count = dict.fromkeys(COLLECTIVES, 0)
-    moved = dict.fromkeys(COLLECTIVES, 0)
+    by_dtype: dict[str, dict[str, int]] = {kind: {} for kind in COLLECTIVES}
     for name, times in runs.items():
         for line in computations[name]:
             instruction = _INSTRUCTION.match(line)
@@ -208,10 +214,10 @@ def collectives(hlo_text: str) -> Collectives:
             kind = opcode.removesuffix("-start")
             if kind not in COLLECTIVES or opcode.endswith("-done"):
                 continue
-            size = _collective_bytes(kind, result, line, opcode.endswith("-start"))
             count[kind] += times
-            moved[kind] += times * size
-    return Collectives(count, moved)
+            for dtype, size in _collective_bytes(kind, result, line, opcode.endswith("-start")).items():
+                by_dtype[kind][dtype] = by_dtype[kind].get(dtype, 0) + times * size
+    return Collectives(count, {kind: sum(by_dtype[kind].values()) for kind in COLLECTIVES}, by_dtype)
 
 
 def fused_attention(hlo_text: str) -> dict[str, int]:

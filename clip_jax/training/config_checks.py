@@ -8,6 +8,7 @@ import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.models.layers import ATTENTION_CHOICES
+from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
 from clip_jax.training.loss import LOSSES
@@ -19,7 +20,8 @@ REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both
 RESUME_DATA = ("exact", "allow_reseed")
 # The fields that take one of a list of names, with their lists.
 CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), ("resume_data", RESUME_DATA),
-           ("opt", OPTIMIZERS), ("loss", tuple(LOSSES)), ("attention_impl", ATTENTION_CHOICES))
+           ("opt", OPTIMIZERS), ("loss", tuple(LOSSES)), ("attention_impl", ATTENTION_CHOICES),
+           ("grad_reduce_dtype", GRAD_REDUCE_DTYPES), ("residual_dtype", RESIDUAL_DTYPES))
 
 
 def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:

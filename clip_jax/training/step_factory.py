@@ -30,7 +30,7 @@ from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import with_patch_dropout, with_siglip_head
 from clip_jax.models.layers import choose_attention_impl
-from clip_jax.models.precision import get_policy
+from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
 from clip_jax.optim.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.runtime import xla_gpu
@@ -99,11 +99,14 @@ class StepSpec:
     telemetry_every: int = 0
     # Locked towers (LiT, OpenCLIP's --lock-image / --lock-text): their params get no update and no optimizer state.
     lock: LockSpec = LockSpec()
+    grad_reduce_dtype: str = "float32"  # gradients summed across devices in this dtype (see models.precision)
+    residual_dtype: str = "compute"  # the residual stream's dtype: the compute dtype's, or "float32"
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
             object.__setattr__(self, "model", get_model_config(self._model_source()))
-        get_policy(self.precision)  # fails on a bad name
+        model_grad_dtype(get_policy(self.precision), self.grad_reduce_dtype)  # fails on a bad name
+        model_residual_dtype(self.residual_dtype)
         if self.attention_impl not in ("xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
                              "(resolve 'auto' with choose_attention_impl)")
@@ -140,12 +143,15 @@ class StepSpec:
                    fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
                    patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
                    else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
-                   telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0)
+                   telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
+                   grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype)
 
     def create_model(self):
         policy = get_policy(self.precision)
         return create_model(self.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                            remat_policy=self.remat_policy, attention_impl=self.attention_impl)
+                            remat_policy=self.remat_policy, attention_impl=self.attention_impl,
+                            grad_dtype=model_grad_dtype(policy, self.grad_reduce_dtype),
+                            residual_dtype=model_residual_dtype(self.residual_dtype))
 
     def describe(self) -> str:
         patch_dropout = self.model.vision.patch_dropout
