@@ -11,6 +11,7 @@ from clip_jax.data import check, make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import zeroshot
 from clip_jax.interop import similarity, weight_files
+from clip_jax.runtime import xla_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing
@@ -73,3 +74,36 @@ def test_a_missing_config_file_is_one_line():
     done = run_cli("clip_jax.train", "--config=no/such/config.py", "--config.lr=1")
     assert done.returncode == 2
     assert done.stderr == "error: --config=no/such/config.py: no such config file\n"
+
+
+def without_gpu_settings(**settings):
+    """This environment without what the test session sets for deviceless XLA:GPU (conftest), as a user has it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", xla_gpu.SKIP_CHECK_ENV)}
+    return {**env, **settings}
+
+
+needs_cuda_plugin_without_gpu = pytest.mark.skipif(
+    not xla_gpu.cuda_plugin_installed() or xla_gpu.nvidia_gpu_present(),
+    reason="the CUDA plugin's start-up failure shows only where the plugin is installed and there is no GPU")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@needs_cuda_plugin_without_gpu
+def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugin():
+    done = subprocess.run([sys.executable, "-m", "clip_jax.similarity", "--model", "configs/models/demo-tiny.json"],
+                          cwd=REPO, env=without_gpu_settings(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "images matched their own class's prompt" in done.stdout  # it ran on the CPU
+    assert "Jax plugin configuration error" not in done.stderr and "cuInit" not in done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.subprocess
+@needs_cuda_plugin_without_gpu
+def test_a_gpu_asked_for_keeps_the_cuda_plugins_message():
+    start = "from clip_jax.runtime import xla_gpu; xla_gpu.quiet_cuda_plugin(); import jax; jax.devices()"
+    done = subprocess.run([sys.executable, "-c", start], cwd=REPO, env=without_gpu_settings(JAX_PLATFORMS="cuda"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Jax plugin configuration error" in done.stderr and "cuInit" in done.stderr

@@ -23,7 +23,7 @@ from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, 
                                       variables_to_open_clip)
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, xla_gpu
 
 
 def save_params(path: str, params) -> None:
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("dst", help="clip_jax params (.npz), or an OpenCLIP state_dict when SRC is clip_jax params")
     parser.add_argument("--model", required=True, help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json")
     args = parser.parse_args(argv)
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         arrays = read_arrays(args.src)
         if _is_clip_jax(arrays):

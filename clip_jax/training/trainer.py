@@ -26,7 +26,7 @@ from clip_jax.errors import RunFailed, UserError
 from clip_jax.models.flops import train_flops
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import ownership, storage, xla_gpu
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
@@ -379,6 +379,7 @@ def main(argv) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         initialize_from_environment()  # a multi-process run joins before anything touches the devices
         train(config)
