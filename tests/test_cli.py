@@ -11,7 +11,7 @@ from clip_jax.data import check, make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import zeroshot
 from clip_jax.interop import similarity, weight_files
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import storage, xla_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing
@@ -107,3 +107,40 @@ def test_a_gpu_asked_for_keeps_the_cuda_plugins_message():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "Jax plugin configuration error" in done.stderr and "cuInit" in done.stderr
+
+
+def train_cli(fields, *, env=None):
+    """`python -m clip_jax.train` on tests/train_config.py with these config fields."""
+    env = dict(env or os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(fields))
+    return subprocess.run([sys.executable, "-m", "clip_jax.train", f"--config={TRAIN_CONFIG}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def unwritable_folder(tmp_path):
+    """A folder this process cannot write into: mode 555, or, for root (whom modes do not stop), sysfs's root."""
+    if os.geteuid() == 0:
+        return "/sys"
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    return str(folder)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path):
+    folder = unwritable_folder(tmp_path)
+    logs = os.path.join(folder, "logs")
+    done = train_cli({"logs": logs, "name": "run", "model": "configs/models/demo-tiny.json",
+                      "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the check
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: cannot write the run directory {logs}/run: {folder} is not writable (")
+    assert done.stderr.endswith("give --config.logs a folder you can write to\n")
+    assert not os.path.exists(logs)
+
+
+def test_a_writable_logs_folder_passes_the_check_and_is_left_as_it_was(tmp_path):
+    (tmp_path / "mine.txt").write_text("a user's file")
+    assert storage.unwritable(str(tmp_path / "logs" / "run")) is None  # to be made: probed in tmp_path
+    assert storage.unwritable(str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]

@@ -153,6 +153,22 @@ def _filesystem(kind: str):
     return fsspec.filesystem(kind, skip_instance_cache=True)
 
 
+def unwritable(path: str, *, probe: str = ".clip_jax_write_probe") -> str | None:
+    """Why files cannot be written under the local folder `path`, or None when they can. The test is a real write:
+    a new empty file (`probe`-XXXX, never one that exists) made and deleted in `path`, or in its nearest existing
+    parent when `path` is still to be made, so that nothing is left behind, no folder either."""
+    folder = os.path.abspath(path)
+    while not os.path.lexists(folder):  # "/" exists
+        folder = os.path.dirname(folder)
+    try:
+        handle, name = tempfile.mkstemp(prefix=f"{probe}-", dir=folder)
+    except OSError as e:
+        return f"{folder} is not writable ({e.strerror})" if os.path.isdir(folder) else f"{folder} is not a folder"
+    os.close(handle)
+    os.remove(name)
+    return None
+
+
 def check_location(url: str, *, write: bool, probe: str = ".clip_jax_write_probe") -> None:
     """Raises a one-line UserError when the run cannot use `url`: the s3fs/gcsfs package missing, no credentials,
     a bucket that does not exist, an endpoint that does not answer, (with `write`) no right to write there.
