@@ -144,3 +144,16 @@ def test_a_writable_logs_folder_passes_the_check_and_is_left_as_it_was(tmp_path)
     assert storage.unwritable(str(tmp_path / "logs" / "run")) is None  # to be made: probed in tmp_path
     assert storage.unwritable(str(tmp_path)) is None
     assert sorted(os.listdir(tmp_path)) == ["mine.txt"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_model_file_that_is_not_json_is_one_line_naming_the_file_and_line(tmp_path):
+    model = tmp_path / "model.json"
+    model.write_text('{\n  "embed_dim": 32,\n  "vision_cfg": {"image_size": 28,}\n}\n')  # a trailing comma
+    done = train_cli({"logs": str(tmp_path / "logs"), "name": "run", "model": str(model),
+                      "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the model
+    assert done.returncode == 2
+    assert done.stderr == (f"error: model config file {model} is not valid JSON: Expecting property name enclosed in "
+                           "double quotes: line 3 column 35 (char 55)\n")
+    assert not (tmp_path / "logs").exists()
