@@ -157,3 +157,39 @@ def test_a_model_file_that_is_not_json_is_one_line_naming_the_file_and_line(tmp_
     assert done.stderr == (f"error: model config file {model} is not valid JSON: Expecting property name enclosed in "
                            "double quotes: line 3 column 35 (char 55)\n")
     assert not (tmp_path / "logs").exists()
+
+
+def run_without(packages, module, *args, env=None):
+    """`python -m MODULE ARGS` in a process that cannot import `packages`, as where they are not installed."""
+    code = ("import runpy, sys\n"
+            "class NotInstalled:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {tuple(packages)!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, NotInstalled())\n"
+            f"sys.argv = [{module!r}, *sys.argv[1:]]\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("package, command, message", [
+    ("matplotlib", ["clip_jax.report", "{tmp}/run"],
+     "the run report (its PNG) needs the matplotlib package, which is not installed: "
+     "pip install 'clipjax-train[report]'"),
+    ("wandb", ["clip_jax.train", f"--config={TRAIN_CONFIG}"],
+     "bad config: report_to=wandb needs the wandb package, which is not installed: pip install 'clipjax-train[wandb]'"),
+    ("torch", ["clip_jax.convert", "{tmp}/open_clip.pt", "{tmp}/params.npz", "--model", "ViT-B-32"],
+     "reading {tmp}/open_clip.pt needs the torch package, which is not installed: pip install torch; or give the "
+     "weights as .safetensors"),
+], ids=["report-matplotlib", "train-wandb", "convert-torch"])
+def test_a_missing_optional_package_is_one_line_naming_what_to_install(package, command, message, tmp_path):
+    (tmp_path / "open_clip.pt").write_bytes(b"")
+    env = dict(os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(
+        {"report_to": "wandb", "logs": str(tmp_path / "logs"), "name": "run", "train_data": "/data/{0..1}.tar"}))
+    done = run_without([package], *[arg.format(tmp=tmp_path) for arg in command], env=env)
+    assert done.returncode == 2
+    assert done.stderr == f"error: {message.format(tmp=tmp_path)}\n"
+    assert os.listdir(tmp_path) == ["open_clip.pt"]  # nothing written

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from etils import epath
 
-from clip_jax.errors import InvalidInput, MissingInput, RunFailed
+from clip_jax.errors import InvalidInput, MissingInput, RunFailed, require_extra
 
 REMOTE_SCHEMES = ("s3", "gs")
 _PACKAGES = {"s3": "s3fs", "gs": "gcsfs"}
@@ -137,13 +137,8 @@ def upload(local: str, remote: str) -> None:
 # -- checks before a run builds anything ------------------------------------------------------------------------
 
 def _filesystem(kind: str):
-    """The fsspec filesystem of `kind`, or a one-line MissingInput naming the package to install."""
-    import importlib.util
-
-    package = _PACKAGES[kind]
-    if importlib.util.find_spec(package) is None:
-        raise MissingInput(f"{kind}:// run directories need the {package} package: "
-                           "pip install 'clipjax-train[remote]'")
+    """The fsspec filesystem of `kind`, or a one-line MissingExtra naming the package to install."""
+    require_extra(_PACKAGES[kind], "remote", f"a {kind}:// run directory")
     import fsspec
 
     if kind == "s3":  # fail fast on an unreachable endpoint instead of botocore's minutes of retries
