@@ -88,6 +88,7 @@ needs_cuda_plugin_without_gpu = pytest.mark.skipif(
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 @needs_cuda_plugin_without_gpu
 def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugin(tmp_path):
     # The trainer counts the devices (JAX starts its backends, the CUDA plugin's check fails) before it checks the
@@ -100,6 +101,7 @@ def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugi
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 @needs_cuda_plugin_without_gpu
 def test_a_gpu_asked_for_keeps_the_cuda_plugins_message():
     start = "from clip_jax.runtime import xla_gpu; xla_gpu.quiet_cuda_plugin(); import jax; jax.devices()"

@@ -25,6 +25,7 @@ def test_the_readme_calls_the_names_this_test_expects():
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_every_name_the_readme_calls_resolves_after_import_clip_jax():
     names = readme_calls()
     code = ("import sys\nimport clip_jax\n"
