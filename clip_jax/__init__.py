@@ -1,10 +1,13 @@
 """CLIP training in JAX/Flax, compatible with OpenCLIP checkpoints.
 
 The core (models, tokenizer, conversion, loss, train step) imports neither TensorFlow nor clu, so it runs in a
-bare JAX image. Names below load on first use, so that `import clip_jax.tokenizer` (in data workers) stays light.
+bare JAX image. Names below load on first use, so that `import clip_jax.tokenizer` (in data workers) stays light;
+so do the subpackages and modules, so that after `import clip_jax` a dotted name such as
+`clip_jax.interop.convert.from_open_clip` works as written.
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -25,4 +28,11 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'clip_jax' has no attribute {name!r}")
+    return import_submodule(__name__, name)
+
+
+def import_submodule(package: str, name: str):
+    """`package.name` imported, for a package's `__getattr__`: a module of the package loads when first named."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+        return importlib.import_module(f"{package}.{name}")
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ from clip_jax.data import check, make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import zeroshot
 from clip_jax.interop import similarity, weight_files
+from clip_jax.runtime import storage, xla_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a moment, writes nothing
@@ -73,3 +74,124 @@ def test_a_missing_config_file_is_one_line():
     done = run_cli("clip_jax.train", "--config=no/such/config.py", "--config.lr=1")
     assert done.returncode == 2
     assert done.stderr == "error: --config=no/such/config.py: no such config file\n"
+
+
+def without_gpu_settings(**settings):
+    """This environment without what the test session sets for deviceless XLA:GPU (conftest), as a user has it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", xla_gpu.SKIP_CHECK_ENV)}
+    return {**env, **settings}
+
+
+needs_cuda_plugin_without_gpu = pytest.mark.skipif(
+    not xla_gpu.cuda_plugin_installed() or xla_gpu.nvidia_gpu_present(),
+    reason="the CUDA plugin's start-up failure shows only where the plugin is installed and there is no GPU")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@needs_cuda_plugin_without_gpu
+def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugin(tmp_path):
+    # The trainer counts the devices (JAX starts its backends, the CUDA plugin's check fails) before it checks the
+    # config: a bad field then ends the run in a moment, with its own line and nothing else.
+    done = train_cli({"precision": "fp16", "logs": str(tmp_path), "train_data": "/data/{0..1}.tar"},
+                     env=without_gpu_settings())
+    assert "Jax plugin configuration error" not in done.stderr and "cuInit" not in done.stderr
+    assert done.returncode == 2
+    assert done.stderr == "error: bad config: precision='fp16': choose one of ('fp32', 'bf16', 'pure_bf16')\n"
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@needs_cuda_plugin_without_gpu
+def test_a_gpu_asked_for_keeps_the_cuda_plugins_message():
+    start = "from clip_jax.runtime import xla_gpu; xla_gpu.quiet_cuda_plugin(); import jax; jax.devices()"
+    done = subprocess.run([sys.executable, "-c", start], cwd=REPO, env=without_gpu_settings(JAX_PLATFORMS="cuda"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Jax plugin configuration error" in done.stderr and "cuInit" in done.stderr
+
+
+def train_cli(fields, *, env=None):
+    """`python -m clip_jax.train` on tests/train_config.py with these config fields."""
+    env = dict(env or os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(fields))
+    return subprocess.run([sys.executable, "-m", "clip_jax.train", f"--config={TRAIN_CONFIG}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def unwritable_folder(tmp_path):
+    """A folder this process cannot write into: mode 555, or, for root (whom modes do not stop), sysfs's root."""
+    if os.geteuid() == 0:
+        return "/sys"
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    return str(folder)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path):
+    folder = unwritable_folder(tmp_path)
+    logs = os.path.join(folder, "logs")
+    done = train_cli({"logs": logs, "name": "run", "model": "configs/models/demo-tiny.json",
+                      "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the check
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: cannot write the run directory {logs}/run: {folder} is not writable (")
+    assert done.stderr.endswith("give --config.logs a folder you can write to\n")
+    assert not os.path.exists(logs)
+
+
+def test_a_writable_logs_folder_passes_the_check_and_is_left_as_it_was(tmp_path):
+    (tmp_path / "mine.txt").write_text("a user's file")
+    assert storage.unwritable(str(tmp_path / "logs" / "run")) is None  # to be made: probed in tmp_path
+    assert storage.unwritable(str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_model_file_that_is_not_json_is_one_line_naming_the_file_and_line(tmp_path):
+    model = tmp_path / "model.json"
+    model.write_text('{\n  "embed_dim": 32,\n  "vision_cfg": {"image_size": 28,}\n}\n')  # a trailing comma
+    done = train_cli({"logs": str(tmp_path / "logs"), "name": "run", "model": str(model),
+                      "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the model
+    assert done.returncode == 2
+    assert done.stderr == (f"error: model config file {model} is not valid JSON: Expecting property name enclosed in "
+                           "double quotes: line 3 column 35 (char 55)\n")
+    assert not (tmp_path / "logs").exists()
+
+
+def run_without(packages, module, *args, env=None):
+    """`python -m MODULE ARGS` in a process that cannot import `packages`, as where they are not installed."""
+    code = ("import runpy, sys\n"
+            "class NotInstalled:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {tuple(packages)!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, NotInstalled())\n"
+            f"sys.argv = [{module!r}, *sys.argv[1:]]\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("package, command, message", [
+    ("matplotlib", ["clip_jax.report", "{tmp}/run"],
+     "the run report (its PNG) needs the matplotlib package, which is not installed: "
+     "pip install 'clipjax-train[report]'"),
+    ("wandb", ["clip_jax.train", f"--config={TRAIN_CONFIG}"],
+     "bad config: report_to=wandb needs the wandb package, which is not installed: pip install 'clipjax-train[wandb]'"),
+    ("torch", ["clip_jax.convert", "{tmp}/open_clip.pt", "{tmp}/params.npz", "--model", "ViT-B-32"],
+     "reading {tmp}/open_clip.pt needs the torch package, which is not installed: pip install torch; or give the "
+     "weights as .safetensors"),
+], ids=["report-matplotlib", "train-wandb", "convert-torch"])
+def test_a_missing_optional_package_is_one_line_naming_what_to_install(package, command, message, tmp_path):
+    (tmp_path / "open_clip.pt").write_bytes(b"")
+    env = dict(os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(
+        {"report_to": "wandb", "logs": str(tmp_path / "logs"), "name": "run", "train_data": "/data/{0..1}.tar"}))
+    done = run_without([package], *[arg.format(tmp=tmp_path) for arg in command], env=env)
+    assert done.returncode == 2
+    assert done.stderr == f"error: {message.format(tmp=tmp_path)}\n"
+    assert os.listdir(tmp_path) == ["open_clip.pt"]  # nothing written

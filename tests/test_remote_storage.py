@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from trainer_run import tiny_config
 
-from clip_jax.errors import MissingInput, RunFailed
+from clip_jax.errors import MissingExtra, MissingInput, RunFailed
 from clip_jax.ops import report as report_lib
 from clip_jax.runtime import storage
 from clip_jax.runtime.checkpoints import RunCheckpoints, latest_complete_step, read_params, resolve_resume
@@ -338,6 +338,6 @@ def test_gs_run_directories_take_the_commit_file_scheme_without_network(shards, 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gcsfs" else real_find_spec(name, *a))
-    with pytest.raises(MissingInput, match=r"gs:// run directories need the gcsfs package: pip install "
-                                           r"'clipjax-train\[remote\]'"):
+    with pytest.raises(MissingExtra, match=r"a gs:// run directory needs the gcsfs package, which is not installed: "
+                                           r"pip install 'clipjax-train\[remote\]'"):
         train_lib.Trainer(tiny_config(shards, "gs://bucket/runs"))

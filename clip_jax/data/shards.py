@@ -159,8 +159,8 @@ def _filesystem(url: str):
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:
         raise ShardPatternError(
-            f"cannot open {url!r}: {e} (install the fsspec filesystem for this URL scheme: gcsfs for gs://, "
-            "s3fs for s3://, ...)"
+            f"cannot open {url!r}: {e} (s3:// and gs:// need pip install 'clipjax-train[remote]'; another URL "
+            "scheme, its fsspec filesystem)"
         ) from e
 
 

@@ -74,7 +74,10 @@ def read_lines_or_json(path: str, what: str) -> tuple[str, ...]:
     except FileNotFoundError:
         raise MissingInput(f"{what} file {path} does not exist") from None
     if path.endswith(".json"):
-        items = json.loads(text)
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"{what} file {path} is not valid JSON: {e}") from None
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
             raise InvalidInput(f"{what} file {path} must hold a JSON list of strings")
         return tuple(items)

@@ -42,7 +42,7 @@ from clip_jax.interop.inference import pretrained_model_config, saved_preprocess
 from clip_jax.interop.pretrained import load_pretrained_variables
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
 
@@ -284,6 +284,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     if args.distributed:
         jax.distributed.initialize()
     try:

@@ -1,2 +1,8 @@
 """clip_jax and the outside world: OpenCLIP weights both ways, pretrained starts, export to OpenCLIP's
 folders, the inference API (`create_model_and_transforms`), the similarity demo."""
+
+import functools
+
+from clip_jax import import_submodule
+
+__getattr__ = functools.partial(import_submodule, __name__)  # clip_jax.interop.convert after `import clip_jax`

@@ -24,7 +24,7 @@ from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.models.registry import get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, xla_gpu
 
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
 INTERPOLATION, RESIZE_MODE = "bicubic", "shortest"
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mean", type=float, nargs=3, help="image mean (default: the run's)")
     parser.add_argument("--std", type=float, nargs=3, help="image std (default: the run's)")
     args = parser.parse_args(argv)
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         config = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean, std=args.std)
     except UserError as e:

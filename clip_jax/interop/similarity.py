@@ -18,6 +18,7 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normali
 from clip_jax.errors import UserError
 from clip_jax.interop.weight_files import load_variables
 from clip_jax.models import create_model, init_variables
+from clip_jax.runtime import xla_gpu
 from clip_jax.tokenizer import tokenize
 
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--std", type=float, nargs=3, default=OPENAI_STD, help="image std (LAION L/14: 0.5 0.5 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed when no checkpoint is given")
     args = parser.parse_args(argv)
-
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         model = create_model(args.model)
         grey, labels = fashion_mnist.load("test", args.data_dir)

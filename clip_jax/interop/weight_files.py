@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
 from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
                                       variables_to_open_clip)
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, xla_gpu
 
 
 def save_params(path: str, params) -> None:
@@ -80,11 +80,9 @@ def _is_clip_jax(arrays: Mapping[str, Any]) -> bool:
 
 
 def _torch_state_dict(path: str) -> dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit(f"reading {path} needs PyTorch (pip install torch); or convert it to .safetensors first") \
-            from None
+    require_extra("torch", None, f"reading {path}", alternative="give the weights as .safetensors")
+    import torch
+
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except RuntimeError:  # OpenAI's original checkpoints are TorchScript archives
@@ -130,6 +128,7 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
     elif path.endswith(".npz"):
         np.savez(path, **state_dict)
     else:
+        require_extra("torch", None, f"writing {path}", alternative="write .safetensors or .npz")
         import torch
 
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
@@ -141,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("dst", help="clip_jax params (.npz), or an OpenCLIP state_dict when SRC is clip_jax params")
     parser.add_argument("--model", required=True, help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json")
     args = parser.parse_args(argv)
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         arrays = read_arrays(args.src)
         if _is_clip_jax(arrays):

@@ -92,8 +92,12 @@ def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CL
     if name.endswith(".json"):
         if not os.path.exists(name):
             raise MissingInput(f"model config file {name} does not exist")
-        with open(name) as f:
-            return config_from_open_clip(json.load(f), name=os.path.basename(name)[: -len(".json")])
+        try:
+            with open(name) as f:
+                cfg = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # the error names the line and column
+            raise InvalidInput(f"model config file {name} is not valid JSON: {e}") from None
+        return config_from_open_clip(cfg, name=os.path.basename(name)[: -len(".json")])
     base, quick = (name[: -len("-quickgelu")], True) if name.endswith("-quickgelu") else (name, False)
     if base not in _OPEN_CLIP_CONFIGS:
         raise InvalidInput(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "

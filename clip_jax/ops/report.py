@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
 from clip_jax.runtime import ownership, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
@@ -121,6 +121,7 @@ def write_png(series: dict, output: str, title: str) -> list[str]:
 
 def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     """Writes the PNG; returns (its path, the summary table)."""
+    require_extra("matplotlib", "report", "the run report (its PNG)")
     if storage.is_remote(run_dir):
         storage.check_location(run_dir, write=False)
     series = read_metrics(run_dir)

@@ -6,11 +6,10 @@ is written under `RUN_DIR/wandb/` and `wandb sync` uploads it later. Steps a res
 last checkpoint) are ones W&B already holds; it keeps the first values it got for them.
 """
 
-import importlib.util
 import os
 import uuid
 
-from clip_jax.errors import InvalidInput
+from clip_jax.errors import InvalidInput, MissingExtra, require_extra
 
 RUN_ID_FILE = "wandb_run_id"
 # W&B's own rule for project names (its settings refuse these at wandb.init, after the run has started).
@@ -20,8 +19,10 @@ PROJECT_MAX_LENGTH = 128
 
 def project_problem(project: str) -> str | None:
     """Why `project` is not a W&B project name (or wandb is missing), else None."""
-    if importlib.util.find_spec("wandb") is None:
-        return "report_to names wandb, which is not installed: pip install 'clipjax-train[wandb]'"
+    try:
+        require_extra("wandb", "wandb", "report_to=wandb")
+    except MissingExtra as e:
+        return str(e)
     if not project:
         return "wandb_project is empty: give the W&B project name"
     bad = sorted({ch for ch in project if ch in PROJECT_FORBIDDEN})

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from etils import epath
 
-from clip_jax.errors import InvalidInput, MissingInput, RunFailed
+from clip_jax.errors import InvalidInput, MissingInput, RunFailed, require_extra
 
 REMOTE_SCHEMES = ("s3", "gs")
 _PACKAGES = {"s3": "s3fs", "gs": "gcsfs"}
@@ -137,13 +137,8 @@ def upload(local: str, remote: str) -> None:
 # -- checks before a run builds anything ------------------------------------------------------------------------
 
 def _filesystem(kind: str):
-    """The fsspec filesystem of `kind`, or a one-line MissingInput naming the package to install."""
-    import importlib.util
-
-    package = _PACKAGES[kind]
-    if importlib.util.find_spec(package) is None:
-        raise MissingInput(f"{kind}:// run directories need the {package} package: "
-                           "pip install 'clipjax-train[remote]'")
+    """The fsspec filesystem of `kind`, or a one-line MissingExtra naming the package to install."""
+    require_extra(_PACKAGES[kind], "remote", f"a {kind}:// run directory")
     import fsspec
 
     if kind == "s3":  # fail fast on an unreachable endpoint instead of botocore's minutes of retries
@@ -151,6 +146,22 @@ def _filesystem(kind: str):
                                  config_kwargs={"connect_timeout": 5, "read_timeout": 20,
                                                 "retries": {"max_attempts": 1}})
     return fsspec.filesystem(kind, skip_instance_cache=True)
+
+
+def unwritable(path: str, *, probe: str = ".clip_jax_write_probe") -> str | None:
+    """Why files cannot be written under the local folder `path`, or None when they can. The test is a real write:
+    a new empty file (`probe`-XXXX, never one that exists) made and deleted in `path`, or in its nearest existing
+    parent when `path` is still to be made, so that nothing is left behind, no folder either."""
+    folder = os.path.abspath(path)
+    while not os.path.lexists(folder):  # "/" exists
+        folder = os.path.dirname(folder)
+    try:
+        handle, name = tempfile.mkstemp(prefix=f"{probe}-", dir=folder)
+    except OSError as e:
+        return f"{folder} is not writable ({e.strerror})" if os.path.isdir(folder) else f"{folder} is not a folder"
+    os.close(handle)
+    os.remove(name)
+    return None
 
 
 def check_location(url: str, *, write: bool, probe: str = ".clip_jax_write_probe") -> None:

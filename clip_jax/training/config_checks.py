@@ -87,8 +87,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
             except UserError as e:
                 problems.append(f"zeroshot_data={c.zeroshot_data!r}: {e}")
     problems += data_problems(c)
-    if problems:
-        raise InvalidInput("bad config:\n  " + "\n  ".join(problems))
+    if problems:  # one line for one problem, else a line for each
+        raise InvalidInput("bad config: " + problems[0] if len(problems) == 1 else
+                           "bad config:\n  " + "\n  ".join(problems))
 
 
 def data_problems(c: ml_collections.ConfigDict) -> list[str]:

@@ -132,17 +132,19 @@ def run_entries(config) -> list[str]:
 
 
 def check_run_locations(config) -> None:
-    """The bucket of a remote `logs` (written) or `resume` (read), checked by every process (each writes its own
-    shards and data-iterator files there): credentials, bucket, endpoint and the s3fs/gcsfs package, each failure
-    one line naming the URL. The processes agree on the outcome, so that none goes on to wait for the others."""
+    """Where the run writes (`logs`) and a remote `resume` (read), checked by every process (each writes its own
+    shards and data-iterator files there) before anything is built: on disk, that the run directory can be written
+    (or made); on a bucket, credentials, bucket, endpoint and the s3fs/gcsfs package. Each failure is one line naming
+    the place. The processes agree on the outcome, so that none goes on to wait for the others."""
     remote = [(url, write) for url, write in ((config.logs, True), (config.resume, False))
               if url and url != "latest" and storage.is_remote(url)]
-    if not remote:
-        return
+    probe = f".clip_jax_write_probe-{jax.process_index()}"
     problem = None
     try:
+        if not storage.is_remote(config.logs):
+            check_local_logs(config, probe)
         for url, write in remote:
-            storage.check_location(url, write=write, probe=f".clip_jax_write_probe-{jax.process_index()}")
+            storage.check_location(url, write=write, probe=probe)
     except UserError as e:
         problem = e
     if jax.process_count() > 1:
@@ -152,6 +154,18 @@ def check_run_locations(config) -> None:
         if problem is None and failed.size:
             raise RunFailed(f"process(es) {failed.tolist()} cannot use the run's bucket ({remote[0][0]}): every "
                             "host needs the credentials, the network route and clipjax-train[remote]; see their "
-                            "error")
+                            "error" if remote else
+                            f"process(es) {failed.tolist()} cannot write the run directory under {config.logs}: "
+                            "see their error")
     if problem is not None:
         raise problem
+
+
+def check_local_logs(config, probe: str) -> None:
+    """An InvalidInput naming the folder when the run directory (`logs`/`name`) on disk can be neither written nor
+    made."""
+    target = os.path.join(config.logs, config.name) if config.name else config.logs
+    reason = storage.unwritable(target, probe=probe)
+    if reason:
+        raise InvalidInput(f"cannot write the run directory {storage.absolute(target)}: {reason}; give "
+                           "--config.logs a folder you can write to")

@@ -23,10 +23,11 @@ from ml_collections import config_flags
 
 from clip_jax import cli, data
 from clip_jax.errors import RunFailed, UserError
+from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import ownership, storage, xla_gpu
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
@@ -76,6 +77,7 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
+        run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir = self.start.run_dir
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
@@ -379,6 +381,7 @@ def main(argv) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         initialize_from_environment()  # a multi-process run joins before anything touches the devices
         train(config)
