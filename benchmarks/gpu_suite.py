@@ -81,8 +81,10 @@ def measure_clip_jax(spec: dict) -> dict:
     device = jax.local_devices()[0]
     attention = choose_attention_impl(spec["attention"], device.platform, get_policy(spec["precision"]).compute_dtype)
     mesh = create_mesh([device])
+    # a spec may set the precision policy's grad_reduce_dtype / residual_dtype (StepSpec's defaults otherwise)
+    numerics = {k: spec[k] for k in ("grad_reduce_dtype", "residual_dtype") if k in spec}
     step = build_step(StepSpec(config, spec["precision"], spec["remat"], attention,
-                               optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=100_000)), mesh)
+                               optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=100_000), **numerics), mesh)
     state = step.init(0)
     images, tokens = random_inputs(config.vision.image_size, config.text.context_length, config.text.vocab_size,
                                    spec["batch"])
@@ -300,7 +302,8 @@ def format_table(results: list[dict]) -> str:
         planned = f"{planned / 2**30:.1f}" if planned else "-"
         lines.append(f"{r['framework']:<10}{r['precision']:<6}{r['remat']:<18}{r['attention']:<7}{r['batch']:>6}"
                      f"{r['status']:>9}{rate:>11}{mfu:>7}{mfu_measured:>7}{compile_s:>10}{peak:>9}{planned:>9}"
-                     + (f"  {r['xla_flags']}" if r.get("xla_flags") else ""))
+                     + (f"  {r['xla_flags']}" if r.get("xla_flags") else "")
+                     + "".join(f"  {k}={r[k]}" for k in ("grad_reduce_dtype", "residual_dtype") if k in r))
     lines.append("MFU: model FLOPs (3x forward) over the datasheet's dense peak; "
                  "MFU*: over the matmul peak measured above")
     pairs = [(r, o) for r in results for o in results
