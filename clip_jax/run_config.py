@@ -99,7 +99,8 @@ def default_config() -> ml_collections.ConfigDict:
     # keeps it: more activation memory, see models.precision)
     c.residual_dtype = "compute"
     c.grad_checkpointing = True  # rematerialise every residual block ...
-    c.remat_policy = "nothing_saveable"  # ... under this jax.checkpoint policy
+    # ... under this jax.checkpoint policy; "auto": on GPUs the fastest that fits (training/remat_choice.py)
+    c.remat_policy = "nothing_saveable"
     c.fsdp = False  # shard params and optimizer state over the data axis (ZeRO-3)
     c.attention_impl = "auto"  # auto (cuDNN's fused attention on a GPU in bf16, else XLA's) | xla | cudnn
 

@@ -329,6 +329,7 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
     ({"resume_data": "fresh"}, "resume_data='fresh': choose one of ('exact', 'allow_reseed')"),
     ({"grad_reduce_dtype": "bf16"}, "grad_reduce_dtype='bf16': choose one of ('float32', 'bfloat16')"),
     ({"residual_dtype": "fp32"}, "residual_dtype='fp32': choose one of ('compute', 'float32')"),
+    ({"remat_policy": "dots"}, "remat_policy='dots': choose one of ('none', "),
     ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):
@@ -345,6 +346,12 @@ def test_an_unknown_override_is_refused_by_name(tmp_path):
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0
     assert "lrr" in output
+
+
+def test_remat_policy_auto_on_a_cpu_builds_the_step_with_nothing_saveable(shards, tmp_path):
+    config = tiny_config(shards, tmp_path, grad_checkpointing=True, remat_policy="auto")
+    with train_lib.Trainer(config) as trainer:
+        assert trainer.engine.spec.remat_policy == "nothing_saveable"
 
 
 def test_a_missing_shard_pattern_is_named(shards, tmp_path):

@@ -19,6 +19,7 @@ from clip_jax.plan.steps import CompiledSteps, planned_spec
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import get_gpu
 from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training.remat_choice import resolve_auto_remat
 from clip_jax.training.step_factory import StepSpec, mesh_for
 
 # The fraction of GPU memory JAX may take: launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to the same (JAX's own
@@ -85,6 +86,10 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     mesh = mesh_for(setup, devices)
     budget = int(gpu.memory_bytes * memory_fraction)
     compiled_step = CompiledSteps(mesh, where, progress)
+    setup, remat_choice = resolve_auto_remat(setup, mesh, batch_size, usable=budget,
+                                             compile_step=lambda s, b: compiled_step(s, b, accum_freq))
+    if remat_choice is not None:
+        progress(remat_choice.describe())
     memory_probes: dict[int, int] = {}
 
     def memory_of(b: int) -> int:

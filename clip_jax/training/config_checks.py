@@ -7,11 +7,12 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
-from clip_jax.models.layers import ATTENTION_CHOICES
+from clip_jax.models.layers import ATTENTION_CHOICES, remat_policy_names
 from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
 from clip_jax.training.loss import LOSSES
+from clip_jax.training.remat_choice import AUTO
 from clip_jax.training.step_factory import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16")
@@ -21,7 +22,8 @@ RESUME_DATA = ("exact", "allow_reseed")
 # The fields that take one of a list of names, with their lists.
 CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), ("resume_data", RESUME_DATA),
            ("opt", OPTIMIZERS), ("loss", tuple(LOSSES)), ("attention_impl", ATTENTION_CHOICES),
-           ("grad_reduce_dtype", GRAD_REDUCE_DTYPES), ("residual_dtype", RESIDUAL_DTYPES))
+           ("grad_reduce_dtype", GRAD_REDUCE_DTYPES), ("residual_dtype", RESIDUAL_DTYPES),
+           ("remat_policy", (*remat_policy_names(), AUTO)))
 
 
 def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:

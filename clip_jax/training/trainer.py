@@ -39,6 +39,7 @@ from clip_jax.training.preemption import StopSignal
 from clip_jax.training.run_setup import check_run_locations, plan_run_start, run_entries
 from clip_jax.training.schedule import Schedule, make_schedule
 from clip_jax.training.stability import InstabilityMonitor
+from clip_jax.training.remat_choice import resolve_auto_remat
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 from clip_jax.training.step_reads import StepReads, local_values
 
@@ -86,6 +87,7 @@ class Trainer:
         spec = step_spec(config, self.schedule, jax.devices()[0].platform)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
         self.mesh = mesh_for(spec)
+        spec = self._remat_resolved(spec)
         self.engine = build_step(spec, self.mesh)
         self.data_seed = self.start.data.seed
         self.skipped_updates = 0
@@ -222,7 +224,7 @@ class Trainer:
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
         if action == "rollback_fp32" and self.engine.spec.precision != "fp32":
             spec = step_spec(self.config, self.schedule, self.mesh.devices.flat[0].platform, precision="fp32")
-            self.engine = build_step(spec, self.mesh)
+            self.engine = build_step(self._remat_resolved(spec), self.mesh)
         self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
         self.monitor.reset()
@@ -231,6 +233,13 @@ class Trainer:
         self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
                   f"{self.engine.spec.precision} (rollback #{self.rollbacks})")
         self.step = step
+
+    def _remat_resolved(self, spec: StepSpec) -> StepSpec:
+        """`spec` with remat_policy "auto" chosen for this mesh and the per-device batch (said in the log)."""
+        spec, choice = resolve_auto_remat(spec, self.mesh, int(self.config.batch_size))
+        if choice is not None and self.is_main:
+            log.info(choice.describe())
+        return spec
 
     # -- the loop -------------------------------------------------------------------------------------------
 
