@@ -81,7 +81,8 @@ def main() -> None:
     lines += ["", f"gradient collectives per device and step, {args.gpus} x A100-40GB, batch 224, nothing_saveable"]
     for row in collectives:
         for kind in xla_gpu.COLLECTIVES:
-            split = ", ".join(f"{dtype} {n / 2**20:.1f} MiB" for dtype, n in sorted(row["bytes_by_dtype"][kind].items()))
+            split = ", ".join(f"{dtype} {n / 2**20:.1f} MiB"
+                              for dtype, n in sorted(row["bytes_by_dtype"][kind].items()))
             lines.append(f"  {row['grad_reduce_dtype']:<9} {kind:<15} {row['count'][kind]:>5}  {split or '-'}")
     print("\n".join(lines))
     out = pathlib.Path(args.out)

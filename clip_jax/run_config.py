@@ -91,7 +91,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.lock_text_unlocked_layers = 0
 
     # Precision and memory.
-    c.precision = "bf16"  # fp32 | bf16 | pure_bf16; may change when resuming
+    c.precision = "bf16"  # fp32 | bf16 | pure_bf16 | fp8 (H100, H200: models/precision.py); may change on resume
     # Gradients summed across devices in float32 (as OpenCLIP's DDP) | bfloat16 (half the all-reduce bytes, a 16-bit
     # policy's compute dtype; under fp32 they are float32 whatever this says)
     c.grad_reduce_dtype = "float32"

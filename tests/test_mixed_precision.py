@@ -144,3 +144,27 @@ def test_an_embedding_gathered_in_float32_gives_the_same_rows_and_a_float32_grad
     (d_table,) = pullback(jnp.ones_like(wide))
     counts = np.bincount(np.asarray(ids).ravel(), minlength=50)
     np.testing.assert_array_equal(np.asarray(d_table), np.repeat(counts[:, None], 16, axis=1))
+
+
+def test_fp8_dense_is_the_product_to_fp8_rounding_and_keeps_the_16_bit_weight_gradient():
+    """Forward e4m3 x e4m3 and input gradient e5m2 x e4m3, each operand scaled by its amax: off the float64
+    product by FP8's rounding (e4m3 keeps 3 mantissa bits, e5m2 2: measured 2.4% and 5.9% here); the kernel's and
+    bias's gradients are `dense`'s, bit for bit."""
+    rng = np.random.default_rng(4)
+    x, g = bf16_normal(rng, 32, 16, 256), bf16_normal(rng, 32, 16, 128)
+    kernel = jnp.asarray(rng.normal(size=(256, 128)) * 0.05, jnp.float32)
+    bias = jnp.asarray(rng.normal(size=128), jnp.float32)
+    y, pullback = jax.vjp(lambda x, k, b: mixed_precision.fp8_dense(x, k, b, jnp.bfloat16, jnp.float32),
+                          x, kernel, bias)
+    d_x, d_kernel, d_bias = pullback(g)
+    _, plain_pullback = jax.vjp(lambda x, k, b: mixed_precision.dense(x, k, b, jnp.bfloat16, jnp.float32), x, kernel,
+                                bias)
+    _, plain_kernel, plain_bias = plain_pullback(g)
+    k64 = f64(kernel.astype(jnp.bfloat16))
+    expected_y, expected_dx = f64(x) @ k64 + f64(bias.astype(jnp.bfloat16)), f64(g) @ k64.T
+    relative = lambda a, b: np.linalg.norm(f64(a) - b) / np.linalg.norm(b)  # noqa: E731
+    assert y.dtype == d_x.dtype == jnp.bfloat16
+    assert 0.005 < relative(y, expected_y) < 0.06
+    assert 0.01 < relative(d_x, expected_dx) < 0.09
+    np.testing.assert_array_equal(np.asarray(d_kernel), np.asarray(plain_kernel))
+    np.testing.assert_array_equal(np.asarray(d_bias), np.asarray(plain_bias))

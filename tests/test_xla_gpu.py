@@ -191,6 +191,27 @@ def test_a_bf16_step_without_remat_keeps_about_half_the_activation_bytes_of_auto
 
 
 @pytest.mark.gpu_compile
+def test_fp8_runs_the_residual_blocks_matmuls_as_cublaslt_fp8_gemms_on_an_h200():
+    """Per tower, the scanned block's four forward products and their four input-gradient products are FP8 GEMMs;
+    the weight gradients and the rest stay 16-bit. The bf16 step has none."""
+    mesh = create_mesh(gpu_devices("h200", 1, 1))
+    gemms = {}
+    for precision in ("fp8", "bf16"):
+        hlo = planner.compile_train_step(StepSpec(TINY, precision, "none", attention_impl="cudnn"), mesh, 8).as_text()
+        gemms[precision] = re.findall(r'custom_call_target="(__cublas\$lt\$matmul[^"]*)"', hlo)
+    assert gemms["fp8"].count("__cublas$lt$matmul$f8") == 2 * 8
+    assert "__cublas$lt$matmul$f8" not in gemms["bf16"]
+    assert len(gemms["fp8"]) == len(gemms["bf16"])
+
+
+def test_the_planner_refuses_fp8_for_a_gpu_without_it_before_compiling():
+    config = default_config()
+    config.precision = "fp8"
+    with pytest.raises(ValueError, match="precision='fp8' needs FP8 matmuls"):
+        planner.plan(config, "a100-40gb", 8, compiler="gpu")
+
+
+@pytest.mark.gpu_compile
 @pytest.mark.slow
 def test_fsdp_state_of_vit_l_14_shrinks_about_n_fold_on_384_gpus():
     """ViT-L-14's 1024 and 4096 wide kernels have no dimension 384 divides: FSDP splits them 128 ways over a

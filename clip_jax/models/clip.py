@@ -78,6 +78,7 @@ class CLIP(nn.Module):
     layer_params_hook: Callable | None = None
     grad_dtype: Dtype | None = None  # parameter gradients computed and summed in this dtype (see `mixed_precision`)
     residual_dtype: Dtype | None = None  # the residual stream's dtype in both towers (None: the compute dtype)
+    fp8: bool = False  # both towers' residual blocks' matmuls in FP8 (`mixed_precision.fp8_dense`)
 
     def setup(self):
         cfg, text = self.config, self.config.text
@@ -86,7 +87,7 @@ class CLIP(nn.Module):
         else:
             self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
                                             self.param_dtype, self.remat_policy, self.attention_impl,
-                                            self.layer_params_hook, self.grad_dtype, self.residual_dtype)
+                                            self.layer_params_hook, self.grad_dtype, self.residual_dtype, self.fp8)
         self.token_embedding = TokenEmbedding(text.vocab_size, text.width, self.dtype, self.param_dtype,
                                               self.grad_dtype)
         if text.embed_cls:
@@ -98,7 +99,7 @@ class CLIP(nn.Module):
                                        param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                                        attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                                        block=text.block, grad_dtype=self.grad_dtype,
-                                       residual_dtype=self.residual_dtype)
+                                       residual_dtype=self.residual_dtype, fp8=self.fp8)
         self.ln_final = tower_norm(text.block, self.dtype, self.param_dtype)
         if text.proj_bias:
             self.text_projection = Dense(cfg.embed_dim, nn.initializers.normal(text.width**-0.5), self.dtype,
@@ -157,7 +158,7 @@ class CLIP(nn.Module):
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, remat_policy: str = "none",
                  attention_impl: str | None = None, grad_dtype: Dtype | None = None,
-                 residual_dtype: Dtype | None = None) -> CLIP:
+                 residual_dtype: Dtype | None = None, fp8: bool = False) -> CLIP:
     """A CLIP module for a registered name, an OpenCLIP model-config dict or .json path, or a `CLIPConfig`.
 
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
@@ -168,6 +169,7 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`). `grad_dtype`:
     the dtype parameter gradients are computed and summed over the batch in (`mixed_precision`; None: autodiff's,
     the compute dtype). `residual_dtype`: the residual stream's through the blocks (None: the compute dtype).
+    `fp8`: the residual blocks' four matmuls in FP8 (the `fp8` precision policy).
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
@@ -175,7 +177,7 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
         raise InvalidInput(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
     as_dtype = lambda d: None if d is None else jnp.dtype(d)  # noqa: E731
     return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl,
-                grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype))
+                grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype), fp8=fp8)
 
 
 def dummy_inputs(config: CLIPConfig, batch_size: int = 1):

@@ -185,20 +185,22 @@ class LayerScale(nn.Module):
 
 class Dense(nn.Module):
     """`flax.linen.Dense`'s parameters (`kernel` [in, out], `bias` [out]) and result, its kernel's and bias's
-    gradients in `grad_dtype` (see `mixed_precision`; None: the compute dtype)."""
+    gradients in `grad_dtype` (see `mixed_precision`; None: the compute dtype); `fp8`: its products in FP8
+    (`mixed_precision.fp8_dense`)."""
 
     features: int
     kernel_init: Callable
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     grad_dtype: Dtype | None = None
-    use_bias: bool = True
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
-        return mixed_precision.dense(x, kernel, bias, self.dtype, self.grad_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        product = mixed_precision.fp8_dense if self.fp8 else mixed_precision.dense
+        return product(x, kernel, bias, self.dtype, self.grad_dtype)
 
 
 def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple: int | None = None, *,
@@ -248,6 +250,7 @@ class Attention(nn.Module):
     attention_impl: str | None = None
     block: BlockConfig = BlockConfig()
     grad_dtype: Dtype | None = None
+    fp8: bool = False  # in_proj and out_proj in FP8
 
     @nn.compact
     def __call__(self, x, mask=None):  # [B, T, W]
@@ -255,7 +258,7 @@ class Attention(nn.Module):
         head_dim = self.width // self.heads
         opts = self.block
         qkv = Dense(3 * self.width, nn.initializers.normal(self.width**-0.5), self.dtype, self.param_dtype,
-                    self.grad_dtype, name="in_proj")(x)  # [B, T, 3W]
+                    self.grad_dtype, self.fp8, name="in_proj")(x)  # [B, T, 3W]
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.heads, head_dim), 3, axis=2)  # [B, T, N, H] each
         scale = None
         if opts.scaled_cosine_attn:  # Swin-V2: cos(q, k) * exp(min(s_head, ln 100)), s_head learned, init ln 10
@@ -275,7 +278,7 @@ class Attention(nn.Module):
         if opts.scale_attn_inner:
             out = tower_norm(opts, self.dtype, self.param_dtype, "ln_inner")(out)
         return Dense(self.width, nn.initializers.normal(self.out_std), self.dtype, self.param_dtype, self.grad_dtype,
-                     name="out_proj")(out)
+                     self.fp8, name="out_proj")(out)
 
 
 class MLP(nn.Module):
@@ -287,16 +290,17 @@ class MLP(nn.Module):
     param_dtype: Dtype = jnp.float32
     block: BlockConfig = BlockConfig()
     grad_dtype: Dtype | None = None
+    fp8: bool = False  # c_fc and c_proj in FP8
 
     @nn.compact
     def __call__(self, x):
         x = Dense(self.mlp_width, nn.initializers.normal((2 * self.width) ** -0.5), self.dtype, self.param_dtype,
-                  self.grad_dtype, name="c_fc")(x)
+                  self.grad_dtype, self.fp8, name="c_fc")(x)
         x = gelu(x, self.quick_gelu, self.block.gelu_approximate)
         if self.block.scale_fc:  # NormFormer's LayerNorm after the activation
             x = tower_norm(self.block, self.dtype, self.param_dtype, "ln")(x)
         return Dense(self.width, nn.initializers.normal(self.out_std), self.dtype, self.param_dtype, self.grad_dtype,
-                     name="c_proj")(x)
+                     self.fp8, name="c_proj")(x)
 
 
 class ResidualBlock(nn.Module):
@@ -315,6 +319,7 @@ class ResidualBlock(nn.Module):
     attention_impl: str | None = None
     block: BlockConfig = BlockConfig()
     grad_dtype: Dtype | None = None
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x, mask):  # x: the residual stream, in its own dtype; each branch adds in it
@@ -323,14 +328,14 @@ class ResidualBlock(nn.Module):
         opts = self.block
         norm = lambda name: tower_norm(opts, self.dtype, self.param_dtype, name)  # noqa: E731
         y = Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
-                      self.attention_impl, opts, self.grad_dtype, name="attn")(norm("ln_1")(x), mask)
+                      self.attention_impl, opts, self.grad_dtype, self.fp8, name="attn")(norm("ln_1")(x), mask)
         if opts.scale_attn:
             y = norm("ln_attn")(y)
         if opts.ls_init_value is not None:
             y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_1")(y)
         x = x + y.astype(x.dtype)
         y = MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype, opts,
-                self.grad_dtype, name="mlp")(norm("ln_2")(x))
+                self.grad_dtype, self.fp8, name="mlp")(norm("ln_2")(x))
         if opts.ls_init_value is not None:
             y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_2")(y)
         return x + y.astype(x.dtype), None
@@ -363,6 +368,7 @@ class Transformer(nn.Module):
     block: BlockConfig = BlockConfig()
     grad_dtype: Dtype | None = None
     residual_dtype: Dtype | None = None
+    fp8: bool = False  # each block's four matmuls in FP8 (`mixed_precision.fp8_dense`)
 
     @nn.compact
     def __call__(self, x, mask=None):  # [B, T, W]
@@ -376,5 +382,6 @@ class Transformer(nn.Module):
                         in_axes=nn.broadcast)
         x = x.astype(self.residual_dtype or self.dtype)
         x, _ = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu, self.dtype,
-                     self.param_dtype, self.attention_impl, self.block, self.grad_dtype, name="resblocks")(x, mask)
+                     self.param_dtype, self.attention_impl, self.block, self.grad_dtype, self.fp8,
+                     name="resblocks")(x, mask)
         return x

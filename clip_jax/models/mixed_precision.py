@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 # The name `dense`'s result carries: a custom VJP hides its matmul from the remat policies that save matmul outputs,
 # so those save this name too (`layers.resolve_remat_policy`).
 MATMUL_OUTPUT = "mixed_precision_matmul"
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)  # `fp8_dense`'s two FP8 formats
 
 
 def dense(x, kernel, bias, dtype, grad_dtype):
@@ -47,14 +48,63 @@ def _dense_forward(x, kernel, bias, grad_dtype):
 
 def _dense_backward(grad_dtype, saved, g):
     x, kernel, kernel_like, bias_like = saved
+    return (g @ kernel.T, *_param_gradients(x, g, kernel_like, bias_like, grad_dtype))
+
+
+def _param_gradients(x, g, kernel_like, bias_like, grad_dtype):
+    """The kernel's gradient x^T g from the 16-bit x and g, accumulated in `grad_dtype`, and the bias's."""
     rows = tuple(range(x.ndim - 1))
-    d_x = g @ kernel.T
     d_kernel = jax.lax.dot_general(x, g, ((rows, rows), ((), ())), preferred_element_type=grad_dtype)
     d_bias = None if bias_like is None else jnp.sum(g.astype(grad_dtype), rows).astype(bias_like.dtype)
-    return d_x, d_kernel.astype(kernel_like.dtype), d_bias
+    return d_kernel.astype(kernel_like.dtype), d_bias
 
 
 _dense.defvjp(_dense_forward, _dense_backward)
+
+
+def fp8_dense(x, kernel, bias, dtype, grad_dtype):
+    """`dense` with its two large products in FP8, each operand scaled by its own amax in this step (current
+    scaling: no state): the forward x @ kernel in e4m3 x e4m3, the input gradient g @ kernel^T in e5m2 x e4m3 (the
+    output gradient needs e5m2's range). The kernel's gradient x^T g stays a 16-bit product accumulated in
+    `grad_dtype` (None: the compute dtype), as Wortsman et al. 2023 found FP8 weight gradients unstable. XLA:GPU
+    runs the FP8 products as cuBLASLt FP8 GEMMs on GPUs that have them; elsewhere XLA emulates them."""
+    grad_dtype = jnp.dtype(grad_dtype or dtype)
+    return checkpoint_name(_fp8_dense(x.astype(dtype), kernel, bias, grad_dtype), MATMUL_OUTPUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_dense(x, kernel, bias, grad_dtype):
+    y = _fp8_product(x, E4M3, kernel.astype(x.dtype), E4M3, ((x.ndim - 1,), (0,)))
+    return y if bias is None else y + bias.astype(x.dtype)
+
+
+def _fp8_dense_forward(x, kernel, bias, grad_dtype):
+    return _fp8_dense(x, kernel, bias, grad_dtype), (x, kernel.astype(x.dtype), _like(kernel), _like(bias))
+
+
+def _fp8_dense_backward(grad_dtype, saved, g):
+    x, kernel, kernel_like, bias_like = saved
+    d_x = _fp8_product(g, E5M2, kernel, E4M3, ((g.ndim - 1,), (1,)))
+    return (d_x, *_param_gradients(x, g, kernel_like, bias_like, grad_dtype))
+
+
+_fp8_dense.defvjp(_fp8_dense_forward, _fp8_dense_backward)
+
+
+def _fp8_product(a, a_type, b, b_type, contracting):
+    """a . b contracting `contracting` ((a's axis,), (b's axis,)), in a's dtype, from FP8 copies of both."""
+    qa, scale_a = _quantize(a, a_type)
+    qb, scale_b = _quantize(b, b_type)
+    y = jax.lax.dot_general(qa, qb, (contracting, ((), ())), preferred_element_type=jnp.float32)
+    return (y * (scale_a * scale_b)).astype(a.dtype)
+
+
+def _quantize(t, fp8_type):
+    """(t / s in `fp8_type`, s), s = amax(|t|) / the type's largest value (float32; 1 for an all-zero t)."""
+    largest = float(jnp.finfo(fp8_type).max)
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / largest, 1.0)
+    return jnp.clip(t.astype(jnp.float32) / scale, -largest, largest).astype(fp8_type), scale
 
 
 def add(x, param, grad_dtype):

@@ -5,6 +5,13 @@
 | `fp32`      | float32                      | float32 (default matmul precision: TF32 on Ampere+) |
 | `bf16`      | float32                      | bfloat16                |
 | `pure_bf16` | bfloat16                     | bfloat16                |
+| `fp8`       | float32                      | bfloat16; the residual blocks' matmuls in FP8 (below) |
+
+`fp8` runs each residual block's four matmuls (in_proj, out_proj, c_fc, c_proj) in FP8, each operand scaled by
+its own amax in every step (no scaling state: the train state and checkpoints are bf16's, so a run resumes from
+and into bf16): e4m3 for activations and weights, e5m2 for output gradients, the weight gradients 16-bit
+(`mixed_precision.fp8_dense`). It needs FP8 matmuls on a GPU (compute capability 8.9 or later: H100, H200, L40S,
+...; `check_fp8`); XLA emulates them on a CPU.
 
 Under every policy the norms, the features, the logits, the softmax and the loss are float32 (the model
 returns fp32 features; the loss casts). A policy changes dtypes only, never the parameter tree, so a run can
@@ -35,12 +42,14 @@ class PrecisionPolicy:
     name: str
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
+    fp8: bool = False  # the residual blocks' matmuls in FP8
 
 
 POLICIES = {
     "fp32": PrecisionPolicy("fp32", jnp.float32, jnp.float32),
     "bf16": PrecisionPolicy("bf16", jnp.float32, jnp.bfloat16),
     "pure_bf16": PrecisionPolicy("pure_bf16", jnp.bfloat16, jnp.bfloat16),
+    "fp8": PrecisionPolicy("fp8", jnp.float32, jnp.bfloat16, fp8=True),
 }
 
 
@@ -69,6 +78,14 @@ def get_policy(name: str) -> PrecisionPolicy:
     if name not in POLICIES:
         raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}")
     return POLICIES[name]
+
+
+def check_fp8(precision: str, gpu) -> None:
+    """Refuses `precision="fp8"` on a GPU (`runtime.hardware.GPU`) without FP8 matmuls; None (a CPU, or a GPU of
+    unknown kind) passes."""
+    if get_policy(precision).fp8 and gpu is not None and not gpu.has_fp8:
+        raise InvalidInput(f"precision='fp8' needs FP8 matmuls (compute capability 8.9 or later: H100, H200, L40S, "
+                           f"...), which a {gpu.name} does not have: use --config.precision=bf16")
 
 
 def cast_params(params, policy: PrecisionPolicy):

@@ -32,6 +32,7 @@ class VisionTransformer(nn.Module):
     layer_params_hook: Callable | None = None
     grad_dtype: Dtype | None = None  # see `mixed_precision`
     residual_dtype: Dtype | None = None  # see `Transformer`
+    fp8: bool = False  # see `Transformer`
 
     @nn.compact
     def __call__(self, images, kept_patches=None):  # [B, H, W, 3] -> [B, embed_dim]
@@ -59,7 +60,7 @@ class VisionTransformer(nn.Module):
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                         block=cfg.block, grad_dtype=self.grad_dtype, residual_dtype=self.residual_dtype,
-                        name="transformer")(x)
+                        fp8=self.fp8, name="transformer")(x)
         pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
         if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
             pooled = norm("ln_post")(pool(x))  # [B, W]

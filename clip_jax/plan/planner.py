@@ -9,6 +9,7 @@ import jax
 from clip_jax.errors import InvalidInput
 from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
+from clip_jax.models.precision import check_fp8
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
 from clip_jax.plan.flops import flops_per_sample
 from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
@@ -65,6 +66,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     `jax.devices()`).
     """
     gpu = get_gpu(gpu_name)
+    check_fp8(config.precision, gpu)
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
     if compiler not in ("cpu", "gpu"):
         raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")

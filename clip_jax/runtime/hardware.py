@@ -89,7 +89,13 @@ class GPU:
     def memory_gib(self) -> float:
         return self.memory_mib / 1024
 
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor-core matmuls: compute capability 8.9 (Ada) and later."""
+        return self.target is not None and self.target.compute_capability >= (8, 9)
+
     def peak_tflops(self, precision: str) -> float:
+        # fp8's MFU counts against the bf16 peak, so that it compares with bf16's
         return self.tf32_tflops if precision == "fp32" else self.bf16_tflops
 
     def target_config(self) -> str:

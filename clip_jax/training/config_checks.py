@@ -15,7 +15,7 @@ from clip_jax.training.loss import LOSSES
 from clip_jax.training.remat_choice import AUTO
 from clip_jax.training.step_factory import OPTIMIZERS
 
-PRECISIONS = ("fp32", "bf16", "pure_bf16")
+PRECISIONS = ("fp32", "bf16", "pure_bf16", "fp8")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
 REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")

@@ -151,7 +151,7 @@ class StepSpec:
         return create_model(self.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                             remat_policy=self.remat_policy, attention_impl=self.attention_impl,
                             grad_dtype=model_grad_dtype(policy, self.grad_reduce_dtype),
-                            residual_dtype=model_residual_dtype(self.residual_dtype))
+                            residual_dtype=model_residual_dtype(self.residual_dtype), fp8=policy.fp8)
 
     def describe(self) -> str:
         patch_dropout = self.model.vision.patch_dropout

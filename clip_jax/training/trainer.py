@@ -25,6 +25,7 @@ from clip_jax import cli, data
 from clip_jax.errors import RunFailed, UserError
 from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
+from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
 from clip_jax.runtime import ownership, storage, xla_gpu
@@ -79,6 +80,8 @@ class Trainer:
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
+        device = jax.devices()[0]
+        check_fp8(config.precision, gpu_for_device_kind(device.device_kind) if device.platform == "gpu" else None)
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir = self.start.run_dir
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
