@@ -97,7 +97,7 @@ def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugi
                      env=without_gpu_settings())
     assert "Jax plugin configuration error" not in done.stderr and "cuInit" not in done.stderr
     assert done.returncode == 2
-    assert done.stderr == "error: bad config: precision='fp16': choose one of ('fp32', 'bf16', 'pure_bf16')\n"
+    assert done.stderr == "error: bad config: precision='fp16': choose one of ('fp32', 'bf16', 'pure_bf16', 'fp8')\n"
 
 
 @pytest.mark.subprocess
