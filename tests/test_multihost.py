@@ -90,7 +90,7 @@ def one_process(two_process_run):
     config = two_process_run[0]
     mesh = create_mesh()
     schedule = make_schedule(config, jax.device_count())
-    return mesh, build_step(train_lib.step_spec(config, schedule, "cpu", "fp32"), mesh)
+    return mesh, build_step(train_lib.step_spec(config, schedule, mesh, "fp32"), mesh)
 
 
 def run_steps(engine, mesh, state, batches, steps):

@@ -10,8 +10,8 @@ from clip_jax.errors import InvalidInput
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import GPUS
 from clip_jax.runtime.mesh import create_mesh
-from clip_jax.training.remat_choice import AUTO_ORDER, choose_remat, resolve_auto_remat, step_bytes, usable_bytes
-from clip_jax.training.step_factory import StepSpec, build_step
+from clip_jax.training.remat_choice import AUTO_ORDER, choose_remat, resolve_auto_remat, usable_bytes
+from clip_jax.training.step_factory import StepMemory, StepSpec, build_step
 
 BATCH = 64
 
@@ -51,7 +51,7 @@ def test_auto_on_a_cpu_is_nothing_saveable_without_compiling(spec):
 
 @pytest.mark.gpu_compile
 def test_auto_takes_the_first_policy_that_fits_the_gpu(spec, h200_mesh, compiled):
-    sizes = {policy: step_bytes(compiled(dataclasses.replace(spec, remat_policy=policy), BATCH))
+    sizes = {policy: StepMemory.of(compiled(dataclasses.replace(spec, remat_policy=policy), BATCH)).total
              for policy in AUTO_ORDER}
     assert sizes["dots_saveable"] > sizes["nothing_saveable"], sizes  # saving matmul outputs costs memory
     compiled.asked.clear()

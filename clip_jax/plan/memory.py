@@ -1,7 +1,6 @@
 """Memory per device: XLA's memory analysis of the compiled step, the train state and batch it holds, and the
 searches over it (the largest per-device batch that fits, the accumulation that makes a batch fit)."""
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -10,31 +9,11 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig
-from clip_jax.training.step_factory import StepSpec, build_step
+from clip_jax.training.step_factory import StepMemory, StepSpec, build_step  # noqa: F401 (StepMemory: the planner's)
 
 
 class BatchDoesNotFit(InvalidInput):
     """Even one sample per device needs more memory than the budget."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMemory:
-    """Bytes per device from XLA's memory analysis of a compiled program."""
-
-    argument: int
-    output: int
-    alias: int  # outputs written into donated arguments (the train state)
-    temp: int
-
-    @property
-    def total(self) -> int:
-        # What the program holds at once; XLA:CPU's peak_memory_in_bytes is not meaningful.
-        return self.argument + self.output - self.alias + self.temp
-
-    @classmethod
-    def of(cls, compiled) -> "StepMemory":
-        m = compiled.memory_analysis()
-        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
 
 
 def state_bytes_per_device(spec: StepSpec, mesh) -> int:

@@ -18,14 +18,14 @@ from clip_jax.plan.report import size
 from clip_jax.plan.result import DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram, Throughput
 from clip_jax.plan.steps import CompiledSteps, planned_spec
 from clip_jax.runtime import xla_gpu
-from clip_jax.runtime.hardware import get_gpu
+from clip_jax.runtime.hardware import MEMORY_FRACTION, get_gpu
 from clip_jax.runtime.mesh import create_mesh
 from clip_jax.training.remat_choice import resolve_auto_remat
 from clip_jax.training.step_factory import StepSpec, mesh_for
 
 # The fraction of GPU memory JAX may take: launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to the same (JAX's own
 # default is 0.75); plan with the fraction the run will have.
-DEFAULT_MEMORY_FRACTION = 0.92
+DEFAULT_MEMORY_FRACTION = MEMORY_FRACTION
 MAX_SIMULATED_DEVICES = 4096
 
 

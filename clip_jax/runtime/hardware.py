@@ -106,6 +106,10 @@ class GPU:
         return self.target.config_proto(self.memory_bytes, f"NVIDIA {self.kind_patterns[0]}")
 
 
+# The share of a GPU's memory a training process lets JAX take (launch/env.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION to it)
+# and the planner plans with.
+MEMORY_FRACTION = 0.92
+
 A100_TARGET = dict(compute_capability=(8, 0), multiprocessors=108, clock_ghz=1.41, l2_cache_bytes=40 * 2**20)
 GPUS = {
     "a100-40gb": GPU("a100-40gb", 40960, 312, 156, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),

@@ -9,8 +9,8 @@ import dataclasses
 import jax
 
 from clip_jax.errors import InvalidInput
-from clip_jax.runtime.hardware import gpu_for_device_kind
-from clip_jax.training.step_factory import StepSpec, build_step
+from clip_jax.runtime.hardware import MEMORY_FRACTION, gpu_for_device_kind
+from clip_jax.training.step_factory import StepMemory, StepSpec, build_step
 
 # Fastest first, as measured with ViT-L/14 on an H200 (benchmarks/RESULTS.md section 8).
 AUTO_ORDER = ("dots_saveable", "nothing_saveable")
@@ -46,14 +46,8 @@ def usable_bytes(device, memory_fraction: float) -> int:
     return int(gpu.memory_bytes * memory_fraction)
 
 
-def step_bytes(compiled) -> int:
-    """Bytes per device a compiled step holds at once (XLA's memory analysis)."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
 def choose_remat(spec: StepSpec, mesh, per_device_batch: int, usable: int | None = None,
-                 memory_fraction: float = 0.92, compile_step=None) -> RematChoice:
+                 memory_fraction: float = MEMORY_FRACTION, compile_step=None) -> RematChoice:
     """The policy `auto` stands for in `spec` on `mesh`: on GPUs the first of `AUTO_ORDER` whose step at
     `per_device_batch` holds at most `usable` bytes (default: `usable_bytes` of the mesh's first device), the last
     when none does (XLA's own rematerialisation then tries to make it fit); elsewhere `nothing_saveable`.
@@ -65,8 +59,8 @@ def choose_remat(spec: StepSpec, mesh, per_device_batch: int, usable: int | None
     compile_step = compile_step or (lambda s, b: build_step(s, mesh).compile(b))
     tried = []
     for policy in AUTO_ORDER:
-        tried.append((policy, step_bytes(compile_step(dataclasses.replace(spec, remat_policy=policy),
-                                                      per_device_batch))))
+        compiled = compile_step(dataclasses.replace(spec, remat_policy=policy), per_device_batch)
+        tried.append((policy, StepMemory.of(compiled).total))
         if tried[-1][1] <= usable:
             break
     return RematChoice(tried[-1][0], tuple(tried), usable)

@@ -250,6 +250,26 @@ class Step:
         return _compile(jax.jit(self.forward()).lower(*inputs), self.mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device from XLA's memory analysis of a compiled program."""
+
+    argument: int
+    output: int
+    alias: int  # outputs written into donated arguments (the train state)
+    temp: int
+
+    @property
+    def total(self) -> int:
+        # What the program holds at once; XLA:CPU's peak_memory_in_bytes is not meaningful.
+        return self.argument + self.output - self.alias + self.temp
+
+    @classmethod
+    def of(cls, compiled) -> "StepMemory":
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
+
+
 def _compile(lowered, mesh: Mesh):
     if mesh.devices.flat[0].platform == "gpu":
         return xla_gpu.compile_lowered(lowered)

@@ -59,10 +59,14 @@ class TrainingUnstable(RunFailed):
     """The loss keeps diverging although the run rolled back to its last checkpoint."""
 
 
-def step_spec(config, schedule: Schedule, mesh_platform: str, precision: str | None = None) -> StepSpec:
-    """The step `config` trains with on devices of `mesh_platform`; `precision` replaces the config's."""
-    return StepSpec.from_config(config, platform=mesh_platform, total_steps=schedule.total_steps,
+def step_spec(config, schedule: Schedule, mesh, precision: str | None = None) -> StepSpec:
+    """The step `config` trains with on `mesh` ("auto" remat chosen for it); `precision` replaces the config's."""
+    spec = StepSpec.from_config(config, platform=mesh.devices.flat[0].platform, total_steps=schedule.total_steps,
                                 precision=precision)
+    spec, choice = resolve_auto_remat(spec, mesh, int(config.batch_size))
+    if choice is not None and jax.process_index() == 0:
+        log.info(choice.describe())
+    return spec
 
 
 class Trainer:
@@ -80,24 +84,21 @@ class Trainer:
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
-        device = jax.devices()[0]
-        check_fp8(config.precision, gpu_for_device_kind(device.device_kind) if device.platform == "gpu" else None)
+        check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir = self.start.run_dir
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
         self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
         self.schedule = make_schedule(config, jax.device_count(), self.shards)
-        spec = step_spec(config, self.schedule, jax.devices()[0].platform)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
-        self.mesh = mesh_for(spec)
-        spec = self._remat_resolved(spec)
-        self.engine = build_step(spec, self.mesh)
+        self.mesh = mesh_for(StepSpec.from_config(config, platform=jax.devices()[0].platform))
+        self.engine = build_step(step_spec(config, self.schedule, self.mesh), self.mesh)
         self.data_seed = self.start.data.seed
         self.skipped_updates = 0
         self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
-        self.flops_per_sample = train_flops(spec.model)
+        self.flops_per_sample = train_flops(self.engine.spec.model)
         self.monitor = InstabilityMonitor(config.nan_patience, config.loss_spike_factor)
         self.data_iter = self.checkpoints = self.outputs = self.evaluations = None
         try:
@@ -226,8 +227,7 @@ class Trainer:
                                    "under --config.precision=fp32")
         self.rollbacks_to[step] = self.rollbacks_to.get(step, 0) + 1
         if action == "rollback_fp32" and self.engine.spec.precision != "fp32":
-            spec = step_spec(self.config, self.schedule, self.mesh.devices.flat[0].platform, precision="fp32")
-            self.engine = build_step(self._remat_resolved(spec), self.mesh)
+            self.engine = build_step(step_spec(self.config, self.schedule, self.mesh, precision="fp32"), self.mesh)
         self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
         self.monitor.reset()
@@ -236,13 +236,6 @@ class Trainer:
         self._say(f"{reason} at step {at_step}: rolled back to checkpoint {step}, continuing under "
                   f"{self.engine.spec.precision} (rollback #{self.rollbacks})")
         self.step = step
-
-    def _remat_resolved(self, spec: StepSpec) -> StepSpec:
-        """`spec` with remat_policy "auto" chosen for this mesh and the per-device batch (said in the log)."""
-        spec, choice = resolve_auto_remat(spec, self.mesh, int(self.config.batch_size))
-        if choice is not None and self.is_main:
-            log.info(choice.describe())
-        return spec
 
     # -- the loop -------------------------------------------------------------------------------------------
 
