@@ -124,3 +124,22 @@ def test_the_log_window_carried_through_a_checkpoint_averages_the_same_steps():
         after.add(s)
     assert after.scalars() == whole.scalars()
     assert after.scalars()["loss"] == pytest.approx(sum(4.0 + i for i in range(5)) / 5)
+
+
+def test_a_data_filter_changed_since_the_checkpoint_is_named_at_resume():
+    from clip_jax.run_config import default_config
+    from clip_jax.runtime.checkpoints import CheckpointMeta
+    from clip_jax.training.run_setup import data_filter_settings, filter_change_note
+
+    config = default_config()
+    saved = CheckpointMeta(step=40, model="m", precision="fp32", global_batch=8, samples_seen=320, epoch=0.5,
+                           data_filter=data_filter_settings(config))
+    assert filter_change_note(config, saved, "logs/run/checkpoints/40") == ""
+    config.train_data_filter = "punsafe < 0.5"
+    config.train_data_min_image_size = 64
+    assert filter_change_note(config, saved, "logs/run/checkpoints/40") == (
+        "the data filter changed since checkpoint logs/run/checkpoints/40 was saved: train_data_filter '' -> "
+        "'punsafe < 0.5'; train_data_min_image_size 0 -> 64; the samples read from here on are filtered by the new "
+        "settings, those counted before by the old")
+    older = CheckpointMeta(step=40, model="m", precision="fp32", global_batch=8, samples_seen=320, epoch=0.5)
+    assert filter_change_note(config, older, "x") == ""  # a checkpoint from before the record: nothing to compare
