@@ -1,7 +1,9 @@
 """The errors a user can fix: a bad setting, a missing file, a run that cannot go on.
 
 Every command-line entry point catches `UserError` and prints its message as one line with exit status 2 (the
-data tools keep their status 1); any other exception is a bug in clip_jax and keeps its traceback. The subclasses
+data tools keep their status 1); the trainer exits 1 instead when the run itself failed (`RunFailed`: a full disk,
+a cluster that does not start, a loss that keeps diverging), 2 when what it was given is wrong (`exit_status`). Any
+other exception is a bug in clip_jax and keeps its traceback. The subclasses
 also derive from the built-in kind that describes them (`ValueError`, `FileNotFoundError`, `RuntimeError`,
 `ModuleNotFoundError`), so callers that catch those keep working.
 """
@@ -29,6 +31,11 @@ class RunFailed(UserError, RuntimeError):
 
 class MissingExtra(UserError, ModuleNotFoundError):
     """An optional package a feature needs is not installed; the message names the pip extra that brings it."""
+
+
+def exit_status(error: UserError) -> int:
+    """The trainer's exit status for `error`: 1 for a run that failed (`RunFailed`), 2 for bad input or config."""
+    return 1 if isinstance(error, RunFailed) else 2
 
 
 def require_extra(package: str, extra: str | None, needed_by: str, *, alternative: str = "") -> None:

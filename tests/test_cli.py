@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -195,3 +196,69 @@ def test_a_missing_optional_package_is_one_line_naming_what_to_install(package, 
     assert done.returncode == 2
     assert done.stderr == f"error: {message.format(tmp=tmp_path)}\n"
     assert os.listdir(tmp_path) == ["open_clip.pt"]  # nothing written
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_data_set_with_no_usable_shard_is_one_line_counting_shards_by_reason(tmp_path, trainer_model_file):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("0", "1"):
+        (data / f"{name}.tar").write_bytes(b"\x07" * 3000)  # not a tar: header checksum mismatch
+    (data / "2.tar").write_bytes(b"")  # no end-of-archive marker
+    with tarfile.open(data / "3.tar", "w"):
+        pass  # a valid tar without members
+    logs = tmp_path / "logs"
+    done = train_cli({"logs": str(logs), "name": "run", "model": trainer_model_file,
+                      "train_data": f"{data}/{{0..3}}.tar",
+                      "train_num_samples": 64, "batch_size": 1, "workers": 0, "epochs": 1, "warmup": 1,
+                      "dataset_resampled": False, "zeroshot_frequency": 0, "report_to": "tensorboard"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("error: ") and "gave no usable sample (4 distinct of the data set's 4: " \
+        "corrupt_shard 2, empty_shard 1, truncated_shard 1;" in done.stderr
+    assert not logs.exists()  # the run made logs/run and wrote into it: taken back, as it never started
+
+
+def private_tmpfs_shell():
+    """The command prefix that runs a shell in a mount namespace of its own (where a tmpfs can be mounted), or None
+    where the kernel allows none to this user."""
+    for prefix in (["unshare", "-m"], ["unshare", "-rm"]):
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0:
+                return prefix
+        except FileNotFoundError:
+            return None
+    return None
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_full_run_directory_is_one_line_exit_1_and_the_last_checkpoint_stays_complete(tmp_path,
+                                                                                         fashion_mnist_shards):
+    from clip_jax.runtime.checkpoints import latest_complete_step
+
+    prefix = private_tmpfs_shell()
+    if prefix is None:
+        pytest.skip("no mount namespace for a small tmpfs on this machine (unshare -m / -rm refused)")
+    pattern, model = fashion_mnist_shards(512)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    fields = {"logs": str(disk / "logs"), "name": "run", "model": model, "train_data": pattern,
+              "train_num_samples": 512, "batch_size": 8, "workers": 0, "epochs": 1, "warmup": 1,
+              "dataset_resampled": False, "zeroshot_frequency": 0, "report_to": "none", "save_every_steps": 2,
+              "log_every_n_steps": 2, "precision": "fp32"}
+    # 8 steps of 8 x 8 devices; a checkpoint takes ~6.5 MB: those of steps 2 and 4 fit in 15 MB, 6 does not
+    env = dict(os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(fields))
+    script = (f"mount -t tmpfs -o size=15m tmpfs {disk} && {sys.executable} -m clip_jax.train "
+              f"--config={TRAIN_CONFIG}; status=$?; cp -r {disk}/logs {tmp_path}/kept; exit $status")
+    done = subprocess.run([*prefix, "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    checkpoints = tmp_path / "kept" / "run" / "checkpoints"
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: the storage of {disk}/logs/run/checkpoints is full: saving checkpoint 6 "
+                                  "failed (No space left on device, writing ")
+    assert done.stderr.endswith("checkpoint 4 is complete and untouched. Free space there (or move the run directory "
+                                "to a larger disk) and continue with --config.resume=latest\n")
+    assert latest_complete_step(str(checkpoints)) == 4

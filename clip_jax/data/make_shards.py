@@ -34,6 +34,8 @@ from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.runtime import ownership
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
+# What the demo's shards take per Fashion-MNIST image (tar members, stats and parquet): 3.84 MB for the first 1,024
+FASHION_MNIST_SHARD_BYTES_PER_IMAGE = 3_750
 FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
 SHARD_FILE = re.compile(r"\d{5}(\.tar|\.tar\.tmp|_stats\.json|\.parquet)$")  # the names write_shard writes
@@ -153,21 +155,27 @@ def fashion_mnist_samples(split: str, root: str = fashion_mnist.DEFAULT_DIR, ima
 
 def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str | None = None,
                          samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None,
-                         change: str = "choose a new or empty folder") -> str:
+                         change: str = "choose a new or empty folder", note: str = "") -> str:
     """Shards of a Fashion-MNIST split in ``out_dir``, written on first use; returns their brace pattern.
 
     Processes that ask at the same time (the ranks of a local launch) get one set, written by one of them
     (:mod:`clip_jax.data.write_once`), into a folder that holds nothing clip_jax did not write (else
     ``ownership.ForeignFiles``, ending with ``change``). ``root``: the folder of the ``*-ubyte.gz`` files (default:
-    Debian's).
+    Debian's). ``note``: a line the process that writes them prints first.
     """
     root = fashion_mnist.DEFAULT_DIR if root is None else root
     num_shards = -(-fashion_mnist.num_images(split, root) // samples_per_shard)
     names = [f"{i:05d}" for i in range(num_shards)]
+
+    def write(folder: str) -> list[str]:
+        if note:
+            print(note, flush=True)
+        return write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard)
+
     write_once.write_once(
         out_dir,
         is_complete=lambda: _stats_present(out_dir, names),
-        write=lambda folder: write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard),
+        write=write,
         marker_suffix="_stats.json", what=f"{num_shards} shards of the Fashion-MNIST {split} split", change=change)
     return shard_pattern([os.path.join(out_dir, f"{name}.tar") for name in names])
 
@@ -198,6 +206,7 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
         return
     change = ("to train on them, set --config.make_train_data='' (and train_num_samples, without *_stats.json "
               "files); for the demo's shards, point train_data at a new folder")
+    new_folder = not os.path.lexists(folder)
     ownership.refuse_foreign(folder, writing=f"make_train_data={source!r}", change=change)
     root = fashion_mnist.DEFAULT_DIR if root is None else root
     images = fashion_mnist.num_images("train", root)
@@ -207,7 +216,11 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
                            f"make_train_data={source!r} spreads {images:,} images over them, at most "
                            f"{ROWS_PER_SHARD_MAX:,} a shard; name at least {fewest}, e.g. "
                            f"'{os.path.join(folder, '{00000..%05d}.tar' % (fewest - 1))}'")
-    fashion_mnist_shards(folder, "train", root=root, samples_per_shard=-(-images // len(urls)), change=change)
+    note = (f"make_train_data={source!r}: {os.path.abspath(folder)} does not exist yet; writing the {images:,} "
+            f"Fashion-MNIST training images there as {len(urls)} shards (about "
+            f"{images * FASHION_MNIST_SHARD_BYTES_PER_IMAGE / 1e6:,.0f} MB)") if new_folder else ""
+    fashion_mnist_shards(folder, "train", root=root, samples_per_shard=-(-images // len(urls)), change=change,
+                         note=note)
 
 
 def read_captions_file(path: str) -> dict[str, str]:

@@ -209,6 +209,7 @@ class ShardList:
     urls: tuple[str, ...]
     weights: tuple[float, ...]
     sources: tuple[str, ...]
+    missing: int = 0  # names the pattern expanded to that do not exist (dropped with a warning)
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -227,7 +228,7 @@ def resolve_shards(
     """
     sources = split_sources(pattern)
     source_weights = parse_weights(weights, len(sources), pattern)
-    urls, per_shard, origin = [], [], []
+    urls, per_shard, origin, missing_count = [], [], [], 0
     for source, weight in zip(sources, source_weights):
         expanded = []
         for url in expand_braces(source):
@@ -240,12 +241,13 @@ def resolve_shards(
             )
         if len(found) < len(expanded):
             missing = sorted(set(expanded) - set(found))
+            missing_count += len(missing)
             log.warning("%d of %d shards of %r do not exist (first: %s)", len(missing), len(expanded), source,
                         missing[0])
         urls.extend(found)
         per_shard.extend([weight] * len(found))
         origin.extend([source] * len(found))
-    return ShardList(tuple(urls), tuple(per_shard), tuple(origin))
+    return ShardList(tuple(urls), tuple(per_shard), tuple(origin), missing_count)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,12 +27,21 @@ from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
+EMPTY_SHARD = "empty_shard"  # a shard that ends before its first sample (counted in the error below only)
+BAD_SAMPLES_ONLY = "bad_samples_only"  # a shard whose every sample was skipped or filtered
+
+
+class NoUsableShards(InvalidInput, RuntimeError):
+    """Shard after shard gives no usable sample: the data set as given cannot train (a bad path, corrupt or empty
+    shards, a filter that drops everything)."""
+
 
 class _OpenShard:
     """One shard being read: its draw number, shard index, and the offset of the next unread group."""
 
     def __init__(self, draw: int, shard: int, url: str, offset: int = 0):
         self.draw, self.shard, self.url, self.offset = draw, shard, url, offset
+        self.groups_read = 1 if offset else 0  # restored part way: it had samples
         self._stream: BinaryIO | None = None
         self._groups: Iterator[tar_format.Group] | None = None
 
@@ -48,6 +57,7 @@ class _OpenShard:
         group = next(self._groups, None)
         if group is not None:
             self.offset = group.end
+            self.groups_read += 1
         return group
 
     def close(self) -> None:
@@ -119,7 +129,7 @@ class TarShardIterator(grain.DatasetIterator):
 
     def __init__(self, ds: TarShardDataset):
         super().__init__()
-        self._urls = ds.shard_list.urls
+        self._urls, self._missing = ds.shard_list.urls, ds.shard_list.missing
         self._order = ds.order()
         self._seed = ds.seed
         self._format = ds.sample_format
@@ -134,6 +144,10 @@ class TarShardIterator(grain.DatasetIterator):
         self._window_start: dict[str, Any] = self._reader_state()
         self.skipped: collections.Counter = collections.Counter()
         self._barren = 0  # shards ended or failed since the last good sample
+        self._barren_shards: dict[str, tuple[str, str]] = {}  # url -> (reason, detail) since the last good sample
+        self._usable_seen = False  # bad-shard warnings wait for the first good sample (none at all: one error)
+        self._warned: set[str] = set()
+        self._held: list[tuple[str, str, Exception]] = []
         self._permutation_cache: tuple[int, np.ndarray] | None = None
         self._avoid_open_shards = ds.resampled and len(set(ds.shard_list.weights)) == 1
 
@@ -170,18 +184,44 @@ class TarShardIterator(grain.DatasetIterator):
         next_epoch = self._order.epoch_of(self._next_draw)
         return all(self._order.epoch_of(s.draw) >= next_epoch for s in self._slots if s is not None)
 
-    def _retire(self, index: int) -> None:
-        """Closes a finished or failed shard; its slot opens the next shard when its turn comes again."""
-        self._slots[index].close()
+    def _retire(self, index: int, reason: str | None = None, detail: str = "") -> None:
+        """Closes a finished or failed shard (`reason`: why it failed); its slot opens the next shard when its turn
+        comes again. Too many in a row without a usable sample end the stream with one error, counting the shards
+        by what was wrong with them."""
+        slot = self._slots[index]
+        slot.close()
         self._slots[index] = None
         self._cursor = (index + 1) % len(self._slots)
         self._barren += 1
+        if reason is None:
+            reason = BAD_SAMPLES_ONLY if slot.groups_read else EMPTY_SHARD
+        self._barren_shards.setdefault(slot.url, (reason, detail))
         limit = max(64, 3 * len(self._urls))
         if self._barren > limit:
-            raise RuntimeError(
-                f"{self._barren} shards in a row gave no usable sample (skipped so far: {dict(self.skipped)}); "
-                f"check the shards, e.g. with `python -m clip_jax.data.check`"
-            )
+            self._held.clear()  # told by the error, not one warning per shard
+            raise NoUsableShards(self._barren_message())
+
+    def _barren_message(self) -> str:
+        by_reason = collections.Counter(reason for reason, _ in self._barren_shards.values())
+        url, (reason, detail) = next(iter(self._barren_shards.items()))
+        samples = {k: v for k, v in self.skipped.items() if k not in by_reason}
+        return (f"{self._barren} shards in a row gave no usable sample ({len(self._barren_shards)} distinct of the "
+                f"data set's {len(self._urls)}: " + ", ".join(f"{k} {n}" for k, n in sorted(by_reason.items()))
+                + (f", and {self._missing} named shards do not exist" if self._missing else "")
+                + f"; first: {url}" + (f": {detail}" if detail else f", {reason}") + ")"
+                + (f"; samples skipped: {dict(sorted(samples.items()))}" if samples else "")
+                + "; check the shards with `python -m clip_jax.data.check PATTERN`")
+
+    def _warn_bad_shard(self, reason: str, url: str, error: Exception) -> None:
+        """One warning per shard and process, held back until the stream has read a usable sample: a data set
+        with no usable shard at all gets the one error of `_retire` instead."""
+        if url in self._warned:
+            return
+        self._warned.add(url)
+        if not self._usable_seen:
+            self._held.append((reason, url, error))
+            return
+        log.warning("%s %s: %s", reason.replace("_", " "), url, error)
 
     def _next_raw(self, number: int) -> webdataset.RawSample:
         while True:
@@ -195,9 +235,9 @@ class TarShardIterator(grain.DatasetIterator):
                 group = slot.next_group()
             except (tar_format.TarError, OSError) as e:
                 reason = webdataset.shard_error_reason(e)
-                log.warning("%s %s: %s", reason.replace("_", " "), slot.url, e)
+                self._warn_bad_shard(reason, slot.url, e)
                 self.skipped[reason] += 1
-                self._retire(self._cursor)
+                self._retire(self._cursor, reason, str(e))
                 continue
             if group is None:
                 self._retire(self._cursor)
@@ -207,7 +247,11 @@ class TarShardIterator(grain.DatasetIterator):
             if isinstance(sample, str):
                 self.skipped[sample] += 1
                 continue
-            self._barren = 0
+            if self._barren or not self._usable_seen:
+                self._barren, self._barren_shards, self._usable_seen = 0, {}, True
+                held, self._held = self._held, []
+                for reason, url, error in held:
+                    log.warning("%s %s: %s", reason.replace("_", " "), url, error)
             return sample
 
     def _reader_state(self) -> dict[str, Any]:
@@ -267,7 +311,7 @@ class TarShardIterator(grain.DatasetIterator):
             self._read_window()
             self._position = state["position"]
         self.skipped = collections.Counter(state["skipped"])
-        self._barren = 0
+        self._barren, self._barren_shards = 0, {}
 
     def close(self) -> None:
         for slot in self._slots:

@@ -216,8 +216,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m clip_jax.zeroshot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json (default: the "
                         "model of an exported folder or run given as --checkpoint)")
-    parser.add_argument("--checkpoint", help="clip_jax params .npz, or an OpenCLIP .pt/.pth/.bin/.safetensors "
-                        "(converted on the fly); without it a freshly initialised model")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="a run directory (LOGS/NAME: its newest checkpoint) or one of its checkpoints/STEP "
+                        "folders, an exported folder (python -m clip_jax.export), clip_jax params .npz, or an "
+                        "OpenCLIP .pt/.pth/.bin/.safetensors (converted on the fly); --mean/--std default to a "
+                        "run's or an export's own; without it a freshly initialised model")
     data = parser.add_argument_group("datasets")
     data.add_argument("--imagenet-val", metavar="DIR", help="image folder DIR/class_name/*.jpg")
     data.add_argument("--imagenet-v2", metavar="DIR", help="ImageNet-V2's folder DIR/0/*.jpeg ... DIR/999/ "

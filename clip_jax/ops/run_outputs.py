@@ -4,38 +4,45 @@ A record (`record`) is one line of metrics.jsonl (`{"step": ..., NAME: value, ..
 of the run's targets; an event (`event`, e.g. a rollback) is a record of its own, `{"event": KIND, "step": ...}`,
 and `events/KIND` = 1 in TensorBoard and W&B. On a bucket the files are staged locally and uploaded at every `sync`
 (each checkpoint save) and at `close` (`storage.StagedOutputs`). On every other process each method does nothing,
-so the trainer calls them unconditionally.
+so the trainer calls them unconditionally. Records of replayed steps (after a resume or a rollback) follow the rule
+of `ops.replay`. A write that fails for want of space stops the run with one line (`StorageFull`).
 """
 
 import json
 import logging
 
 from clip_jax.ops.device_telemetry import Telemetry, progress_parts
+from clip_jax.ops.replay import Replays, read_records
 from clip_jax.ops.writers import TensorBoardWriter, progress_line
-from clip_jax.runtime import storage
+from clip_jax.runtime import storage, storage_faults
+from clip_jax.runtime.checkpoints import latest_complete_step
 
 log = logging.getLogger(__name__)
 
 
 class RunOutputs:
     """`targets`: the metrics targets ("tensorboard", "wandb"); `device_telemetry`: sample NVML, the allocator and
-    the host at each log line (of `devices`). Closes what it opened in `close()`, also when it fails part way."""
+    the host at each log line (of `devices`); `resumed_at`: the step a resumed run continues from (None for a fresh
+    start). Closes what it opened in `close()`, also when it fails part way."""
 
     def __init__(self, run_dir: str, *, is_main: bool, targets=(), wandb_project: str = "", config: dict | None = None,
-                 device_telemetry: bool = False, devices=()):
+                 device_telemetry: bool = False, devices=(), resumed_at: int | None = None):
         self.run_dir, self.is_main = run_dir, is_main
         self.staged = self.tensorboard = self.wandb = self.device_telemetry = None
         if not is_main:
             return
         try:
             self.staged = storage.StagedOutputs(run_dir)
+            self.replays = Replays(read_records(self.staged.path("metrics.jsonl")), resumed_at)
             if "tensorboard" in targets:
                 self.tensorboard = TensorBoardWriter(self.staged.path("tensorboard"))
             if "wandb" in targets:
                 from clip_jax.ops.wandb_writer import WandbWriter
 
                 self.wandb = WandbWriter(self.staged.local_dir, project=wandb_project, name=storage.basename(run_dir),
-                                         config=config or {})
+                                         config=config or {}, replay_from=self.replays.replay_from)
+            if self.tensorboard is not None and self.replays.replay_from is not None:
+                self.tensorboard.restart(self.replays.replay_from)
             if device_telemetry:
                 self.device_telemetry = Telemetry(devices=devices)
                 for note in self.device_telemetry.notes:
@@ -53,6 +60,10 @@ class RunOutputs:
 
     def event(self, kind: str, step: int, **fields) -> None:
         self._write(step, {f"events/{kind}": 1.0}, {"event": kind, "step": step, **fields})
+        if kind == "rollback" and self.is_main and self.replays.rolled_back(fields["to_step"]):
+            for writer in (self.tensorboard, self.wandb):  # what they hold after that step is replayed
+                if writer is not None:
+                    writer.restart(fields["to_step"] + 1)
 
     def log(self, step: int, total_steps: int, epoch: float, scalars: dict, extra: dict | None = None) -> None:
         """A log line: the progress line on the console (with the device telemetry, sampled now, and its warnings),
@@ -92,8 +103,20 @@ class RunOutputs:
     def _write(self, step: int, scalars: dict, line: dict) -> None:
         if not self.is_main:
             return
+        if self.replays.is_replay(step):
+            if self.replays.already_written(line):
+                return
+            scalars, line = {**scalars, "replay": 1.0}, {**line, "replay": True}
+        self.replays.wrote(step)
         for writer in (self.tensorboard, self.wandb):
             if writer is not None:
                 writer.write_scalars(step, scalars)
-        with open(self.staged.path("metrics.jsonl"), "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self.staged.path("metrics.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            if not storage_faults.is_out_of_space(e):
+                raise
+            raise storage_faults.storage_full(
+                self.staged.path("metrics.jsonl"), f"writing the record of step {step}", e,
+                latest_complete_step(storage.join(self.run_dir, "checkpoints"))) from None

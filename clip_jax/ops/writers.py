@@ -32,6 +32,20 @@ class MetricsWindow:
             self._sums[name] += float(scalars[name])
         self._learning_rate = float(scalars["learning_rate"])
 
+    def state(self) -> dict:
+        """The window so far, as JSON (saved with a checkpoint): `from_state` gives it back."""
+        return {"finite_steps": self.finite_steps, "sums": dict(self._sums), "learning_rate": self._learning_rate}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "MetricsWindow":
+        """The window `state` describes (a new one for None, or a state of another version's fields)."""
+        window = cls()
+        if state and set(state.get("sums", ())) == set(cls.AVERAGED):
+            window.finite_steps = int(state["finite_steps"])
+            window._sums = {name: float(state["sums"][name]) for name in cls.AVERAGED}
+            window._learning_rate = float(state["learning_rate"])
+        return window
+
     def scalars(self) -> dict[str, float]:
         """The averages and the last learning rate; empty when no step of the window was finite."""
         if not self.finite_steps:
@@ -44,13 +58,20 @@ class TensorBoardWriter:
     """Scalars to a TensorBoard event file."""
 
     def __init__(self, logdir: str):
-        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         os.makedirs(logdir, exist_ok=True)
-        self._event, self._summary = Event, Summary
+        self._event, self._summary, self._session_log = Event, Summary, SessionLog
         self._writer = EventFileWriter(logdir)
+
+    def restart(self, step: int) -> None:
+        """The run goes on from `step` again (a resume or a rollback): TensorBoard drops the scalars it holds of
+        `step` and later (its rule for a `SessionLog.START` event), so the replayed ones are the curve."""
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
+                                           session_log=self._session_log(status=self._session_log.START)))
+        self._writer.flush()
 
     def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
         values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()

@@ -9,6 +9,7 @@ which only a run with the same data layout (process count and data workers per p
 that layout.
 """
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -20,7 +21,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.runtime import storage
+from clip_jax.runtime import storage, storage_faults
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
 _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
@@ -51,6 +52,10 @@ class CheckpointMeta:
     process_count: int | None = None
     data_workers: int | None = None
     data_seed: int | None = None
+    # the log window's sums at the save (resumed, the next log line averages the steps it would have without the
+    # stop), and the sample filters the saved data position read under
+    log_window: dict | None = None
+    data_filter: dict | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +84,9 @@ class RunCheckpoints:
             cleanup_tmp_directories=remote and not read_only, read_only=read_only,
             temporary_path_class=storage.checkpoint_temporary_path_class(self.directory))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: int | None = None  # the step of the save in flight, if any
+        self._failed = False  # a save failed for want of space: told once, in one line (storage_faults)
+        storage_faults.quiet_orbax_out_of_space(True)
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
         """Starts saving (returns before the write finishes); a step already saved is skipped."""
@@ -89,7 +97,23 @@ class RunCheckpoints:
             DATA_ITER: grain.checkpoint.CheckpointSave(data_iterator),
             META: ocp.args.JsonSave(meta.to_json()),
         })
-        return self._manager.save(step, args=args, force=force)
+        with self._out_of_space_told(step):  # also a previous save's failure, which Orbax raises here
+            started = self._manager.save(step, args=args, force=force)
+        self._saving = step if started else self._saving
+        return started
+
+    @contextlib.contextmanager
+    def _out_of_space_told(self, step: int | None = None):
+        """A context in which a full storage becomes `StorageFull` (one line, raised once)."""
+        try:
+            yield
+        except Exception as e:
+            if self._failed or not storage_faults.is_out_of_space(e):
+                raise
+            self._failed = True
+            failed = self._saving if self._saving is not None else step
+            raise storage_faults.storage_full(self.directory, f"saving checkpoint {failed}", e,
+                                              latest_complete_step(self.directory)) from None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -113,11 +137,26 @@ class RunCheckpoints:
         return restored[STATE], CheckpointMeta.from_json(dict(restored[META]))
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until pending saves are on disk. After a save failed for want of space (already told), nothing
+        is pending any more."""
+        if self._failed:
+            return
+        with self._out_of_space_told():
+            self._manager.wait_until_finished()
+        self._saving = None
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for pending saves (`wait`), then closes the manager, also when the wait fails."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except Exception:
+                if not self._failed:  # a failed save's error again: told already
+                    raise
+            finally:
+                storage_faults.quiet_orbax_out_of_space(False)
 
 
 def read_meta(directory: str, step: int) -> CheckpointMeta | None:

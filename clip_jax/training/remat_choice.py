@@ -5,6 +5,7 @@ that keeps least.
 """
 
 import dataclasses
+import logging
 
 import jax
 
@@ -15,6 +16,8 @@ from clip_jax.training.step_factory import StepMemory, StepSpec, build_step
 # Fastest first, as measured with ViT-L/14 on an H200 (benchmarks/RESULTS.md section 8).
 AUTO_ORDER = ("dots_saveable", "nothing_saveable")
 AUTO = "auto"
+
+log = logging.getLogger("clip_jax.train")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +76,14 @@ def resolve_auto_remat(spec: StepSpec, mesh, per_device_batch: int, **kwargs) ->
         return spec, None
     choice = choose_remat(spec, mesh, per_device_batch, **kwargs)
     return dataclasses.replace(spec, remat_policy=choice.policy), choice
+
+
+def step_spec(config, schedule, mesh, precision: str | None = None) -> StepSpec:
+    """The step `config` trains with on `mesh` for `schedule` ("auto" remat chosen for it, and logged);
+    `precision` replaces the config's."""
+    spec = StepSpec.from_config(config, platform=mesh.devices.flat[0].platform, total_steps=schedule.total_steps,
+                                precision=precision)
+    spec, choice = resolve_auto_remat(spec, mesh, int(config.batch_size))
+    if choice is not None and jax.process_index() == 0:
+        log.info(choice.describe())
+    return spec

@@ -66,7 +66,31 @@ def plan_run_start(config, *, process_count: int) -> RunStart:
     meta = read_meta(directory, step)
     data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(directory, step)),
                             where=f"{directory}/{step}", step=step, process_count=process_count)
-    return RunStart(run_dir, (directory, step), meta, data, (data.note,) if data.note else ())
+    notes = (data.note, filter_change_note(config, meta, f"{directory}/{step}"))
+    return RunStart(run_dir, (directory, step), meta, data, tuple(note for note in notes if note))
+
+
+DATA_FILTER_FIELDS = ("train_data_filter", "train_data_min_image_size", "train_data_min_caption_chars",
+                      "max_image_pixels", "train_data_image_key", "train_data_caption_key")
+
+
+def data_filter_settings(config) -> dict:
+    """The settings that decide which samples a run trains on (saved with each checkpoint)."""
+    return {name: config[name] for name in DATA_FILTER_FIELDS if name in config}
+
+
+def filter_change_note(config, meta: CheckpointMeta | None, where: str) -> str:
+    """One line naming the sample-filter settings that differ from those checkpoint `where` was saved under ("" when
+    none does, or the checkpoint predates the record)."""
+    saved = meta.data_filter if meta is not None else None
+    if not saved:
+        return ""
+    now = data_filter_settings(config)
+    changed = [f"{name} {saved[name]!r} -> {now[name]!r}" for name in now if name in saved and saved[name] != now[name]]
+    if not changed:
+        return ""
+    return (f"the data filter changed since checkpoint {where} was saved: {'; '.join(changed)}; the samples read from "
+            "here on are filtered by the new settings, those counted before by the old")
 
 
 def run_name(config) -> str:
@@ -129,6 +153,36 @@ def run_entries(config) -> list[str]:
     targets = report_targets(config.report_to)
     return (["config.json", "checkpoints", "metrics.jsonl"] + (["tensorboard"] if "tensorboard" in targets else [])
             + (["wandb", "wandb_run_id"] if "wandb" in targets else []))
+
+
+class NewRunDirectory:
+    """The folders on disk a run makes for its directory (the run directory and its parents that do not exist yet),
+    noted before it writes anything. A run that fails before it has anything to show (no complete checkpoint, no
+    metrics) takes back what it wrote there (`remove_if_unused`): the entries of the run directory's manifest, the
+    manifest, then each of those folders that is left empty. Anything else in them, or a folder that was there
+    before, stays as it is; on a bucket (no empty folders) nothing is noted."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir, self.made = run_dir, []
+        folder = run_dir
+        while not storage.is_remote(folder) and not os.path.lexists(folder):
+            self.made.append(folder)
+            folder = os.path.dirname(folder)
+
+    def remove_if_unused(self) -> None:
+        if not self.made or not os.path.isdir(self.run_dir):
+            return
+        if (latest_complete_step(storage.join(self.run_dir, "checkpoints")) is not None
+                or os.path.exists(os.path.join(self.run_dir, "metrics.jsonl"))):
+            return
+        present = set(storage.listdir(self.run_dir))
+        for name in sorted(ownership.owned_names(self.run_dir) & present):
+            ownership.remove(self.run_dir, name)
+        if ownership.MANIFEST in present and not ownership.foreign_names(self.run_dir):
+            ownership.remove(self.run_dir, ownership.MANIFEST)
+        for folder in self.made:  # deepest first
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
 
 
 def check_run_locations(config) -> None:

@@ -41,10 +41,11 @@ class StepReads:
     """`check(step, scalars) -> str | None` checks one step's scalars, read to the host: the problem it shows (the
     reason to roll the run back), or None."""
 
-    def __init__(self, check: Callable[[int, dict], str | None]):
+    def __init__(self, check: Callable[[int, dict], str | None], window: dict | None = None):
+        """`window`: the state of a window to go on with (a resumed run's, saved with its checkpoint)."""
         self._check = check
         self._unread: tuple[int, dict] | None = None
-        self.window = MetricsWindow()  # the steps read since the last log line
+        self.window = MetricsWindow.from_state(window)  # the steps read since the last log line
         self.last_read: tuple[int, dict] | None = None  # the latest step read and kept, with its metrics on device
         self.restart_clock()
 

@@ -22,7 +22,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import cli, data
-from clip_jax.errors import RunFailed, UserError
+from clip_jax.errors import RunFailed, UserError, exit_status
 from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
@@ -37,10 +37,11 @@ from clip_jax.training import spike_telemetry
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
 from clip_jax.training.preemption import StopSignal
-from clip_jax.training.run_setup import check_run_locations, plan_run_start, run_entries
-from clip_jax.training.schedule import Schedule, make_schedule
+from clip_jax.training.run_setup import (NewRunDirectory, check_run_locations, data_filter_settings, plan_run_start,
+                                         run_entries)
+from clip_jax.training.schedule import make_schedule
 from clip_jax.training.stability import InstabilityMonitor
-from clip_jax.training.remat_choice import resolve_auto_remat
+from clip_jax.training.remat_choice import step_spec
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 from clip_jax.training.step_reads import StepReads, local_values
 
@@ -57,16 +58,6 @@ STOP_CHECK_EVERY_STEPS = 5
 
 class TrainingUnstable(RunFailed):
     """The loss keeps diverging although the run rolled back to its last checkpoint."""
-
-
-def step_spec(config, schedule: Schedule, mesh, precision: str | None = None) -> StepSpec:
-    """The step `config` trains with on `mesh` ("auto" remat chosen for it); `precision` replaces the config's."""
-    spec = StepSpec.from_config(config, platform=mesh.devices.flat[0].platform, total_steps=schedule.total_steps,
-                                precision=precision)
-    spec, choice = resolve_auto_remat(spec, mesh, int(config.batch_size))
-    if choice is not None and jax.process_index() == 0:
-        log.info(choice.describe())
-    return spec
 
 
 class Trainer:
@@ -86,7 +77,7 @@ class Trainer:
         run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
-        self.run_dir = self.start.run_dir
+        self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
         self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
         self.schedule = make_schedule(config, jax.device_count(), self.shards)
@@ -104,7 +95,7 @@ class Trainer:
         try:
             self._open()
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _open(self) -> None:
@@ -135,7 +126,8 @@ class Trainer:
             storage.write_text(storage.join(self.run_dir, "config.json"), config.to_json(indent=2))
         self.outputs = RunOutputs(self.run_dir, is_main=self.is_main, targets=report_targets(config.report_to),
                                   wandb_project=config.wandb_project, config=config.to_dict(),
-                                  device_telemetry=config.device_telemetry, devices=jax.local_devices())
+                                  device_telemetry=config.device_telemetry, devices=jax.local_devices(),
+                                  resumed_at=self.step if self.start.resume_from is not None else None)
         # every process: validation is a collective, and a bad validation set stops the run before it trains
         self.evaluations = Evaluations(config, self.mesh, steps_per_epoch=self.schedule.steps_per_epoch,
                                        total_steps=self.schedule.total_steps,
@@ -155,12 +147,12 @@ class Trainer:
         self._say(f"params{' and BatchNorm statistics' if batch_stats is not None else ''} from pretrained {path}")
         return self.engine.state_from_params(params, batch_stats)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Waits for pending saves and closes what the trainer opened (each once; what was never opened is None).
-        The outputs close last, also when a save failed: the metrics are not lost with it."""
+        The outputs close last, also when a save failed: the metrics are not lost with it. A `failed` run that
+        made its directory and left nothing in it to keep takes that directory back."""
         try:
             if self.checkpoints is not None:
-                self.checkpoints.wait()
                 self.checkpoints.close()
         finally:
             if self.data_iter is not None:
@@ -168,12 +160,14 @@ class Trainer:
             outputs, self.checkpoints, self.data_iter, self.outputs = self.outputs, None, None, None
             if outputs is not None:
                 outputs.close()
+            if failed and self.is_main:
+                self.new_dir.remove_if_unused()
 
     def __enter__(self) -> "Trainer":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     def _say(self, message: str) -> None:
         if self.is_main:
@@ -186,7 +180,8 @@ class Trainer:
             step=self.step, model=self.engine.spec.model.name, precision=self.engine.spec.precision,
             global_batch=self.schedule.global_batch, samples_seen=self.step * self.schedule.global_batch,
             epoch=self.schedule.epoch(self.step), skipped_updates=self.skipped_updates, rollbacks=self.rollbacks,
-            process_count=jax.process_count(), data_workers=self.config.workers, data_seed=self.data_seed)
+            process_count=jax.process_count(), data_workers=self.config.workers, data_seed=self.data_seed,
+            log_window=self.reads.window.state(), data_filter=data_filter_settings(self.config))
 
     def save(self, force: bool = False) -> None:
         if self.checkpoints.save(self.step, self.state, self.data_iter, self._meta(), force=force):
@@ -258,7 +253,7 @@ class Trainer:
                   f"batch {schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
                   f"{schedule.total_steps} steps, precision {self.engine.spec.precision}")
         stop = StopSignal()
-        reads = StepReads(self.observe)
+        reads = self.reads = StepReads(self.observe, self.start.meta.log_window if self.start.meta else None)
         first_step = True
         try:
             while self.step < schedule.total_steps:
@@ -392,7 +387,7 @@ def main(argv) -> int:
         train(config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e)
     return 0
 
 

@@ -1,0 +1,73 @@
+"""A run directory's storage that fills up (or runs out of quota) stops the run with one line (`StorageFull`).
+
+A full disk shows up in several shapes: an `OSError` with errno ENOSPC / EDQUOT from a plain write (metrics.jsonl,
+config.json), and, from Orbax's array writer (TensorStore), a `ValueError` whose text carries
+"No space left on device [os_error_code='28']", raised when the next save or a wait collects the failed one. Both are
+told the same way: the storage, the error, the last complete checkpoint (untouched: the failed save never replaced
+it) and how to continue. Orbax also logs the failure of each of its writer threads at error level before the error
+reaches the run; while a run's checkpoints are open those out-of-space lines are left to the one line.
+"""
+
+import errno
+import logging
+import re
+
+from clip_jax.errors import RunFailed
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded",
+                   *(f"os_error_code='{code}'" for code in _NO_SPACE_ERRNOS))
+
+
+class StorageFull(RunFailed):
+    """The run directory's storage has no space left: the run cannot save and stops."""
+
+
+def is_out_of_space(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) says the storage is full."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(text in str(error) for text in _NO_SPACE_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def first_line(error: BaseException) -> str:
+    """The error's message, shortened to the file and the reason where TensorStore's long message names them."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    written = re.search(r'Failed writing: "([^"]+)"', text)
+    if written:
+        reason = next((t for t in _NO_SPACE_TEXTS[:2] if t in text), "no space")
+        return f"{reason}, writing {written.group(1)}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def storage_full(where: str, doing: str, error: BaseException, last_complete: int | None) -> StorageFull:
+    """The one line for a full storage under `where` while `doing` (e.g. "saving checkpoint 12")."""
+    kept = (f"checkpoint {last_complete} is complete and untouched" if last_complete is not None
+            else "no checkpoint was complete yet")
+    return StorageFull(f"the storage of {where} is full: {doing} failed ({first_line(error)}); {kept}. Free space "
+                       "there (or move the run directory to a larger disk) and continue with --config.resume=latest")
+
+
+class QuietOutOfSpace(logging.Filter):
+    """Drops Orbax's own error-level records of an out-of-space write (the run tells it in one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        if record.exc_info and record.exc_info[1] is not None and is_out_of_space(record.exc_info[1]):
+            return False
+        return not any(text in record.getMessage() for text in _NO_SPACE_TEXTS)
+
+
+_QUIET = QuietOutOfSpace()
+
+
+def quiet_orbax_out_of_space(on: bool) -> None:
+    """Installs (or removes) the filter on the loggers Orbax writes through (absl's and the root logger)."""
+    for name in ("absl", ""):
+        logger = logging.getLogger(name)
+        (logger.addFilter if on else logger.removeFilter)(_QUIET)
