@@ -36,6 +36,10 @@ class NoUsableShards(InvalidInput, RuntimeError):
     shards, a filter that drops everything)."""
 
 
+def _log_bad_shard(reason: str, url: str, error: Exception) -> None:
+    log.warning("%s %s: %s", reason.replace("_", " "), url, error)
+
+
 class _OpenShard:
     """One shard being read: its draw number, shard index, and the offset of the next unread group."""
 
@@ -221,7 +225,7 @@ class TarShardIterator(grain.DatasetIterator):
         if not self._usable_seen:
             self._held.append((reason, url, error))
             return
-        log.warning("%s %s: %s", reason.replace("_", " "), url, error)
+        _log_bad_shard(reason, url, error)
 
     def _next_raw(self, number: int) -> webdataset.RawSample:
         while True:
@@ -251,7 +255,7 @@ class TarShardIterator(grain.DatasetIterator):
                 self._barren, self._barren_shards, self._usable_seen = 0, {}, True
                 held, self._held = self._held, []
                 for reason, url, error in held:
-                    log.warning("%s %s: %s", reason.replace("_", " "), url, error)
+                    _log_bad_shard(reason, url, error)
             return sample
 
     def _reader_state(self) -> dict[str, Any]:
