@@ -1,11 +1,14 @@
 """What the README writes in Python works as written: every `clip_jax.X.Y(...)` it calls resolves after
-`import clip_jax`, in a fresh interpreter (the test session has long imported everything)."""
+`import clip_jax`, in a fresh interpreter (the test session has long imported everything), and its ```python
+blocks run, in order, in one fresh interpreter (tests/readme_blocks.py), given named fixtures for their inputs."""
 
+import json
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,3 +43,75 @@ def test_every_name_the_readme_calls_resolves_after_import_clip_jax():
     assert done.returncode == 0, done.stderr
     # `import clip_jax` alone stays light; an unknown name is still an AttributeError
     assert done.stdout == "True module 'clip_jax.interop' has no attribute 'no_such_module'\n"
+
+
+# The README's inputs, each made without binding any other name (so a block that forgets an import still fails).
+README_FIXTURES = {
+    "images": "images = __import__('numpy').random.default_rng(0).normal(size=(2, 224, 224, 3)).astype('float32')",
+    "tokens": "tokens = __import__('clip_jax').tokenize(['a photo of a dog', 'a photo of a cat'])",
+    "state_dict": "state_dict = {k: v.numpy() for k, v in "
+                  "__import__('open_clip').create_model('RN50').state_dict().items()}",
+    "c": "c = __import__('clip_jax.run_config').run_config.default_config()",
+}
+
+
+def readme_substitutions(shards: str) -> list[list[str]]:
+    """What the README's blocks write that this machine cannot run as is: LAION's shards, a global batch of 86,016
+    224 px images (50 GB), six data workers on two cores."""
+    return [["/data/laion2B-en/{00000..23295}.tar", shards], ["86_016", "16"], ["workers=6", "workers=1"]]
+
+
+@pytest.fixture
+def readme_inputs(tmp_path):
+    """The folder the README's relative paths name: `exported/` (an export of a tiny model), `photo.jpg`; and
+    Fashion-MNIST shards written by clip_jax for the data block."""
+    import jax
+    from PIL import Image
+
+    import clip_jax
+    from clip_jax.data import make_shards
+    from clip_jax.interop.export import export_open_clip
+
+    model = clip_jax.create_model(TINY_EXPORT)
+    export_open_clip(clip_jax.init_params(model, jax.random.key(0)), model.config, str(tmp_path / "exported"),
+                     mean=(0.5,) * 3, std=(0.5,) * 3)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(tmp_path / "photo.jpg")
+    paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=64), str(tmp_path / "shards"), 32)
+    return tmp_path, make_shards.shard_pattern(paths)
+
+
+TINY_EXPORT = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 1, "head_width": 16},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_the_readme_python_blocks_run_as_written_in_one_fresh_interpreter(readme_inputs):
+    folder, shards = readme_inputs
+    (folder / "fixtures.json").write_text(json.dumps({"fixtures": README_FIXTURES,
+                                                      "substitutions": readme_substitutions(shards)}))
+    runner = os.path.join(REPO, "tests", "readme_blocks.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, runner, os.path.join(REPO, "README.md"), "fixtures.json"], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=600)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    ran = [line for line in done.stdout.splitlines() if line.startswith("block at README.md:")]
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert len(ran) == f.read().count("```python") >= 5
+    assert done.stdout.endswith("all blocks ran\n")
+
+
+def test_a_block_that_reads_a_name_nothing_defines_fails_naming_its_line(tmp_path):
+    import readme_blocks
+
+    readme = tmp_path / "README.md"
+    readme.write_text("text\n\n```python\nx = [k for k in range(3)]\nprint(len(x), y)\n```\n")
+    with pytest.raises(SystemExit, match=r"README.md:5 reads 'y', which no earlier block defines"):
+        readme_blocks.run(str(readme), fixtures={}, substitutions=[])
+    readme_blocks.run(str(readme), fixtures={"y": "y = 'given'"}, substitutions=[])
+    with pytest.raises(SystemExit, match="no README block writes 'z' any more"):
+        readme_blocks.run(str(readme), fixtures={}, substitutions=[["z", "w"]])
