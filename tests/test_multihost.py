@@ -208,6 +208,34 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_a_sigterm_to_one_process_during_the_set_up_stops_both_in_one_line_each(shard_data, tmp_path):
+    # Rank 1 is signalled as it joins: both ranks stop at the same set-up check (none waits for the other in a
+    # collective until the heartbeat fails it), exit 130 and save nothing.
+    config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
+    processes = start_ranks(config, 2, 1, log_dir=str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while "joining" not in (tmp_path / "rank-1.log").read_text():
+            assert time.time() < deadline and processes[1].poll() is None, (tmp_path / "rank-1.log").read_text()
+            time.sleep(0.05)
+        processes[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert codes == [130, 130], "\n\n".join(logs)
+    stop_line = r"^{} [a-z ]+: stopped before the first step, nothing saved$"
+    assert re.search(stop_line.format("a stop signal to another process"), logs[0], re.M), logs[0]
+    assert re.search(stop_line.format("SIGTERM"), logs[1], re.M), logs[1]
+    assert not any("Traceback" in log for log in logs), "\n\n".join(logs)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_carry(two_process_run, tmp_path):
     # Each process saved its own data-iterator position (process_R-of-2.json); one process reads other shards
     # in another order, so there is no position to restore and the trainer refuses rather than guess.

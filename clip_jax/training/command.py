@@ -32,9 +32,10 @@ def main(argv, stop: StopSignal | None = None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
-        stop.raise_if_received("while the trainer loaded")
-        initialize_from_environment()  # a multi-process run joins before anything touches the devices
-        stop.raise_if_received("while the processes joined")
+        # A multi-process run joins before anything touches the devices, and looks at a signal only once joined:
+        # the processes then agree on it (a process that left before joining would keep the others waiting).
+        joined = initialize_from_environment()
+        stop.raise_if_received("while the processes joined" if joined else "while the trainer loaded")
         train(config, stop=stop)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,10 +3,11 @@ process group) is remembered instead of killing the process mid-step, and the pr
 that all of them save the same step.
 
 The command line (`python -m clip_jax.train`) starts remembering before it imports the trainer, so a signal at any
-moment from start-up on is seen: the trainer looks at it between its set-up phases (`raise_if_received`, exit
-`EXIT_STOPPED` with nothing saved) and between steps (a checkpoint, exit 0). A second SIGINT stops the process at
-once (as soon as the call the main thread is in returns), in one line, without saving. Data workers ignore both
-signals (`clip_jax.data.worker_signals`): the main process shuts them down."""
+moment from start-up on is seen: the trainer looks at it between its set-up phases (`raise_if_received`, agreed
+across processes as between steps; exit `EXIT_STOPPED` with nothing saved) and between steps (a checkpoint, exit
+0). A second SIGINT stops the process at once (as soon as the call the main thread is in returns), in one line,
+without saving. Data workers ignore both signals (`clip_jax.data.worker_signals`): the main process shuts them
+down."""
 
 import os
 import signal
@@ -35,10 +36,12 @@ class StopSignal:
         self.received = self.received or signal.Signals(signum).name
 
     def raise_if_received(self, moment: str) -> None:
-        """Raises `Stopped` when a signal has arrived; `moment` ("while writing the data shards") goes in its line.
-        Not a collective: each process of a multi-process run looks at its own signal during set-up."""
-        if self.received:
-            raise Stopped(f"{self.received} {moment}: stopped before the first step, nothing saved")
+        """Raises `Stopped` when a signal has arrived here or, once the processes have joined, in any process of the
+        run; `moment` ("while writing the data shards") goes in its line. A collective like `agreed`: every process
+        stops at the same check, instead of one leaving while the others wait for it in their next collective."""
+        if self.agreed():
+            raise Stopped(f"{self.received or 'a stop signal to another process'} {moment}: stopped before the "
+                          "first step, nothing saved")
 
     def agreed(self) -> bool:
         """True on every process once any process got a signal (they then save the same step)."""
