@@ -111,6 +111,57 @@ def test_the_data_workers_are_started_deaf_to_stop_signals(shards):
 
 
 @pytest.mark.subprocess
+def test_a_data_worker_hit_by_ctrl_c_while_it_starts_keeps_serving(shards, tmp_path):
+    # Ctrl-C reaches a worker while its fresh interpreter still imports (seconds), in a process that has not yet
+    # started multiprocessing's resource tracker (whose start lets both signals through in the thread starting it).
+    script = tmp_path / "start.py"
+    script.write_text(textwrap.dedent(f"""
+        import glob, os, signal, threading, time
+        from clip_jax import data
+        from clip_jax.run_config import default_config
+
+        def children():  # of any of this process's threads (Grain starts its worker from a thread of its own)
+            found = 0
+            for task in glob.glob(f"/proc/{{os.getpid()}}/task/*"):
+                try:
+                    found += len(open(task + "/children").read().split())
+                except OSError:  # a thread that ended
+                    pass
+            return found
+
+        def ctrl_c_while_the_worker_starts():
+            deadline = time.time() + 60
+            while children() < 2 and time.time() < deadline:  # the resource tracker, then the worker
+                time.sleep(0.005)
+            for _ in range(20):
+                os.killpg(0, signal.SIGINT)
+                time.sleep(0.05)
+
+        if __name__ == "__main__":
+            got = []
+            signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+            c = default_config()
+            c.train_data, c.train_num_samples, c.dataset_resampled, c.workers = {shards[0]!r}, 1024, False, 1
+            cfg = data.TrainDataConfig.from_run_config(c)
+            it = data.build_train_iterator(cfg, global_batch_size=64, image_size=28, mean=(0.5,) * 3,
+                                           std=(0.5,) * 3, context_length=16)
+            sender = threading.Thread(target=ctrl_c_while_the_worker_starts, daemon=True)
+            sender.start()
+            rows = len(next(it)["images"])
+            sender.join()
+            rows += len(next(it)["images"])
+            print("rows", rows, "signals", len(got))
+            it.close()
+            del it
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, start_new_session=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^rows 128 signals [1-9]\d*$", done.stdout, re.M), done.stdout  # the main process heard them
+    assert not NOT_CLEAN.search(done.stderr), done.stderr
+
+
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_ctrl_c_while_the_trainer_imports_exits_130_in_one_line(shards, tmp_path):
     process = launch(stop_config(shards, tmp_path))

@@ -179,6 +179,7 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:
         _ensure_absl_flags_parsed()
+        worker_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
                                                          per_worker_buffer_size=cfg.prefetch_batches),
                             worker_init_fn=worker_signals.ignore_in_worker)

@@ -9,6 +9,11 @@ threads it starts inherit that mask, and so do the processes they spawn, which s
 (their init function) ignores both signals and lets them through again. The main process's own handler still gets
 every signal: one that a thread holds back goes to another thread, or waits until the mask is restored.
 
+Multiprocessing's resource tracker (a process of its own, started with the first worker or shared object) must
+be running before: CPython starts it with both signals blocked and then unblocks them in the starting thread,
+whatever that thread's mask was, so a tracker first started inside `held_back` lets the worker spawned next take
+Ctrl-C while it imports (`start_resource_tracker`).
+
 A worker whose main process is gone (SIGKILL, or a second Ctrl-C that exits at once) exits too.
 """
 
@@ -28,6 +33,17 @@ def held_back():
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_resource_tracker() -> None:
+    """Starts multiprocessing's resource tracker unless it runs, leaving this thread's signal mask as it was."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    try:
+        resource_tracker.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
