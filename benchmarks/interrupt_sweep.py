@@ -129,9 +129,12 @@ def main(argv=None):
                 lost_checkpoint=row["status"] == 0 and not saved,
                 resumed_status=resumed.returncode,
                 resumed_identical=resumed.returncode == 0 and got == uninterrupted)
+            found = NOT_CLEAN.search(row["output"]) or re.search(LEAK, row["output"])
+            if found:  # what went wrong, for the JSON: the lines around the first traceback or leak
+                row["problem"] = row["output"][max(0, found.start() - 400):found.end() + 1200]
             del row["output"]
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "problem"}), flush=True)
 
     print(f"\n{'moment':<12} {'runs':>4} {'exit statuses':<16} {'segfaults':>9} {'tracebacks':>10} {'leaks':>5} "
           f"{'one line':>8} {'lost ckpt':>9} {'resumed equal':>13}")
