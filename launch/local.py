@@ -5,7 +5,8 @@
 The way to try a multi-process launch before booking nodes. Each process gets CLIP_JAX_COORDINATOR,
 CLIP_JAX_NUM_PROCESSES and CLIP_JAX_PROCESS_ID (clip_jax.runtime.processes reads them), its own simulated CPU
 devices, and a log file LOG_DIR/rank-I.log; rank 0 also prints to this terminal. When one process fails the
-others are stopped and the launcher exits with the first failure's status.
+others are stopped and the launcher exits with the first failure's status. Ctrl-C stops the run as it stops one
+process: the ranks agree on a step, save it and exit, and the launcher exits with their status (0 once saved).
 
 `--loopback-mtu 16384` runs the ranks in a network namespace of their own whose loopback has that MTU (Linux,
 root or unprivileged user namespaces). On loopback's default 64 KB MTU the ranks' gloo sockets can stall on TCP's
@@ -84,6 +85,16 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return kept + argv[split:]
 
 
+def wait_all(processes) -> list[int]:
+    """The exit statuses of `processes`, waiting through further Ctrl-Cs: the ranks get them too, and a second
+    one makes each exit at once (clip_jax.training.preemption)."""
+    while True:
+        try:
+            return [p.wait() for p in processes]
+        except KeyboardInterrupt:
+            continue
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, command = parse_args(argv)
@@ -125,12 +136,12 @@ def main(argv=None) -> int:
             time.sleep(0.2)
         for p in processes:
             p.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C reached the ranks too (one process group): each saves and stops
         for p in processes:
-            p.terminate()
-        for p in processes:
-            p.wait()
-        return 130
+            if p.poll() is None:
+                p.terminate()  # for a SIGINT to this launcher alone; a rank that has a stop signal keeps it
+        codes = wait_all(processes)
+        return next((code for code in codes if code), 0)
     finally:
         for log in logs:
             log.close()

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -168,3 +169,28 @@ def test_a_rank_whose_peers_never_come_says_which_rank_failed(tmp_path):
         result.stderr[-3000:]
     assert "DEADLINE_EXCEEDED" in result.stderr and "CoordinationService/RegisterTask" in result.stderr, \
         result.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+def test_a_joined_process_keeps_its_own_sigterm_handler():
+    # The trainer remembers SLURM's SIGTERM in a Python handler installed before the process joins its group;
+    # joining must leave it in place (JAX's preemption service would take SIGTERM over in C++ and swallow it).
+    script = textwrap.dedent("""
+        import os, signal, socket, time
+        from clip_jax.runtime import processes
+        got = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        processes.initialize(processes.ProcessGroup("env", f"127.0.0.1:{port}", 1, 0, None, 30, 30))
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not got and time.time() < deadline:
+            time.sleep(0.05)
+        print("handled" if got else "not handled", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env=clean_env(JAX_PLATFORMS="cpu"), cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "handled", result.stderr[-3000:]

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(REPO, "launch"))
 import local as local_launch  # noqa: E402
 
 STEPS = 4  # 256 samples / (8 per device x 8 devices)
+NOT_CLEAN = re.compile(r"Traceback|KeyboardInterrupt|Segmentation|terminated unexpectedly")
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +205,76 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
     assert stopped in RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps()
     files = os.listdir(tmp_path / "run" / "checkpoints" / str(stopped) / "data_iter")
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(files)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_during_the_set_up_stops_both_in_one_line_each(shard_data, tmp_path):
+    # Rank 1 is signalled as it joins: both ranks stop at the same set-up check (none waits for the other in a
+    # collective until the heartbeat fails it), exit 130 and save nothing.
+    config = config_for(shard_data, tmp_path, epochs=1000, save_every_steps=0)
+    processes = start_ranks(config, 2, 1, log_dir=str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while "joining" not in (tmp_path / "rank-1.log").read_text():
+            assert time.time() < deadline and processes[1].poll() is None, (tmp_path / "rank-1.log").read_text()
+            time.sleep(0.05)
+        processes[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert codes == [130, 130], "\n\n".join(logs)
+    stop_line = r"^{} [a-z ]+: stopped before the first step, nothing saved$"
+    assert re.search(stop_line.format("a stop signal to another process"), logs[0], re.M), logs[0]
+    assert re.search(stop_line.format("SIGTERM"), logs[1], re.M), logs[1]
+    assert not any("Traceback" in log for log in logs), "\n\n".join(logs)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def local_launch_run(config, log_dir) -> subprocess.Popen:
+    """launch/local.py running the trainer as 2 ranks x 1 device, in a process group of its own as a terminal
+    runs a command (Ctrl-C reaches the launcher and both ranks)."""
+    command = [sys.executable, os.path.join(REPO, "launch", "local.py"), "2", "--devices-per-process", "1",
+               "--log-dir", str(log_dir), "--", sys.executable, "-m", "clip_jax.train",
+               f"--config={REPO}/tests/train_config.py"]
+    return subprocess.Popen(command, env={**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json()}, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_ctrl_c_to_a_local_launch_stops_both_ranks_with_a_checkpoint_and_the_run_resumes(shard_data, tmp_path):
+    config = config_for(shard_data, tmp_path, epochs=2, save_every_steps=0, resume="latest")
+    total = 2 * 256 // (8 * 2)  # epochs x samples / (8 per device x 2 devices)
+    launcher = local_launch_run(config, tmp_path / "first")
+    try:
+        wait_for_a_logged_step([launcher], tmp_path)
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    rank_1 = (tmp_path / "first" / "rank-1.log").read_text()
+    assert launcher.returncode == 0, output + "\n\n" + rank_1
+    stops = re.findall(r"^SIGINT: saved checkpoint (\d+) in .*; exiting\. Continue with --config.resume=latest$",
+                       output, re.M)
+    assert len(stops) == 1, output
+    stopped = int(stops[0])
+    assert stopped % train_lib.STOP_CHECK_EVERY_STEPS == 0 and 0 < stopped < total, output
+    assert not NOT_CLEAN.search(output + rank_1), output + "\n\n" + rank_1
+    assert RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps() == [stopped]
+
+    resumed = local_launch_run(config, tmp_path / "resumed")
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    assert f"resumed {tmp_path / 'run' / 'checkpoints'}/{stopped} " in output, output
+    assert sorted(losses(tmp_path / "run")) == list(range(1, total + 1))
+    assert total in RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps()
 
 
 @pytest.mark.subprocess

@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset
+from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset, worker_signals
 from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
 
@@ -179,8 +179,10 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:
         _ensure_absl_flags_parsed()
+        worker_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
-                                                         per_worker_buffer_size=cfg.prefetch_batches))
+                                                         per_worker_buffer_size=cfg.prefetch_batches),
+                            worker_init_fn=worker_signals.ignore_in_worker)
     return ds
 
 
@@ -198,23 +200,37 @@ def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
     Keyword arguments as :func:`build_train_dataset`: ``global_batch_size``, ``image_size``, ``mean``, ``std``,
     ``process_index``, ``process_count``, ``context_length``, ``tokenize``, ``shard_list``.
     """
-    return TrainIterator(iter(build_train_dataset(cfg, **kwargs)))
+    dataset = build_train_dataset(cfg, **kwargs)
+    with worker_signals.held_back():
+        return TrainIterator(iter(dataset))
 
 
 class TrainIterator(grain.DatasetIterator):
     """The training iterator: Grain's, plus :meth:`skipped_samples` for metrics.
 
     Its state is the wrapped iterator's, unchanged, so checkpoints read and written through it are Grain's own.
+    Every call holds SIGINT and SIGTERM back in its thread, so that the worker processes and threads Grain starts
+    in it leave them to the main process (:mod:`clip_jax.data.worker_signals`); `close` stops the workers.
     """
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._parent)
+        with worker_signals.held_back():
+            return next(self._parent)
 
     def get_state(self) -> dict[str, Any]:
-        return self._parent.get_state()
+        with worker_signals.held_back():
+            return self._parent.get_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(state)
+        with worker_signals.held_back():
+            self._parent.set_state(state)
+
+    def close(self) -> None:
+        if self._closed:  # also called again by `__del__`, maybe as the interpreter exits
+            return
+        with worker_signals.held_back():
+            super().close()
+        worker_signals.finish_shared_memory_deletes()
 
     def skipped_samples(self) -> dict[str, int]:
         """Samples and shards skipped so far, by reason (``{"corrupt_image": 3, ...}``), summed over all workers.

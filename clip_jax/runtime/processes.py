@@ -100,12 +100,17 @@ def process_group_from_env(env: Mapping[str, str] | None = None) -> ProcessGroup
 
 
 def initialize(group: ProcessGroup) -> None:
-    """Joins `group`; CPU devices use gloo for cross-process collectives (GPUs use NCCL).
+    """Joins `group`; CPU devices use gloo for cross-process collectives (GPUs use NCCL). SIGTERM stays with the
+    handler the process has (JAX's preemption service, which would take it, is off).
 
     When joining fails, JAX either raises (caught here: DistributedInitError naming the rank and the cause) or
     aborts the process from C++ after `init_timeout`; the line printed beforehand then says which rank it was.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service would install a SIGTERM handler of its own in C++ as the process joins, replacing
+    # the trainer's (clip_jax.training.preemption, installed before this call), which then never hears SLURM's
+    # SIGTERM; the trainer has its own agreement on a stop (`StopSignal.agreed`) and needs no other.
+    jax.config.update("jax_enable_preemption_service", False)
     print(f"clip_jax.runtime.processes: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "
           f"fails the run after {group.heartbeat_timeout} s without heartbeat)", file=sys.stderr, flush=True)
     try:

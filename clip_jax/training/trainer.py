@@ -3,6 +3,7 @@
 Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step loop -> checkpoints, zero-shot
 eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
 `metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
+before the first step it stops the set-up, saves nothing and exits 130 (`clip_jax.training.preemption`);
 `--config.resume=latest` continues exactly where the last checkpoint left off (where a run starts and how its data
 resumes is decided before anything is built: `clip_jax.training.run_setup`). `logs` may be `s3://bucket/prefix` or
 `gs://bucket/prefix`: checkpoints go to the bucket directly, the appended files are staged locally and uploaded at
@@ -10,33 +11,28 @@ each save and at exit (`clip_jax.runtime.storage`).
 """
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 
 import jax
 import ml_collections
 import numpy as np
-from absl import app
-from absl import logging as absl_logging
-from ml_collections import config_flags
 
-from clip_jax import cli, data
-from clip_jax.errors import RunFailed, UserError, exit_status
+from clip_jax import data
+from clip_jax.errors import RunFailed
 from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.runtime import ownership, storage, xla_gpu
+from clip_jax.runtime import ownership, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
-from clip_jax.runtime.processes import initialize_from_environment
 from clip_jax.training import spike_telemetry
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
-from clip_jax.training.preemption import StopSignal
+from clip_jax.training.preemption import Stopped, StopSignal
 from clip_jax.training.run_setup import (NewRunDirectory, check_run_locations, data_filter_settings, plan_run_start,
                                          run_entries)
 from clip_jax.training.schedule import make_schedule
@@ -46,9 +42,6 @@ from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 from clip_jax.training.step_reads import StepReads, local_values
 
 log = logging.getLogger("clip_jax.train")
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
-
 
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 # Across processes a stop signal is agreed on every this many steps (a collective): at most a few step times of
@@ -66,12 +59,14 @@ class Trainer:
     set-up fails part way; use it as a context manager.
 
     `edit_batch(step, batch) -> batch`, when given, sees each host batch before it goes to the devices, `step` the
-    number of steps done before it (tests make chosen batches bad with it)."""
+    number of steps done before it (tests make chosen batches bad with it). `stop`: the command line's StopSignal,
+    installed before the set-up, which it stops between phases; else `train()` installs one for the step loop."""
 
     def __init__(self, config: ml_collections.ConfigDict, *,
-                 edit_batch: Callable[[int, dict], dict] | None = None):
-        self.config, self.edit_batch = config, edit_batch
+                 edit_batch: Callable[[int, dict], dict] | None = None, stop: StopSignal | None = None):
+        self.config, self.edit_batch, self.stop = config, edit_batch, stop
         self.is_main = jax.process_index() == 0
+        self._stop_check("while the run was checked")
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
@@ -80,6 +75,7 @@ class Trainer:
         self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
         self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
+        self._stop_check("while the data shards were found or written")
         self.schedule = make_schedule(config, jax.device_count(), self.shards)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
         self.mesh = mesh_for(StepSpec.from_config(config, platform=jax.devices()[0].platform))
@@ -93,6 +89,7 @@ class Trainer:
         self.monitor = InstabilityMonitor(config.nan_patience, config.loss_spike_factor)
         self.data_iter = self.checkpoints = self.outputs = self.evaluations = None
         try:
+            self._stop_check("while the train step was built")
             self._open()
         except BaseException:
             self.close(failed=True)
@@ -119,6 +116,7 @@ class Trainer:
             self.state = self._pretrained_state(config.pretrained)
         else:
             self.state = self.engine.init(config.seed)
+        self._stop_check("while the state was initialised or restored")
         for note in self.start.notes:
             self._say(note)
         self.step = int(jax.device_get(self.state.step))
@@ -132,6 +130,11 @@ class Trainer:
         self.evaluations = Evaluations(config, self.mesh, steps_per_epoch=self.schedule.steps_per_epoch,
                                        total_steps=self.schedule.total_steps,
                                        loss_batch_size=self.schedule.global_batch, say=self._say)
+        self._stop_check("while the evaluations were set up")
+
+    def _stop_check(self, moment: str) -> None:
+        if self.stop is not None:
+            self.stop.raise_if_received(moment)
 
     def _pretrained_state(self, path: str):
         """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes) and,
@@ -252,9 +255,9 @@ class Trainer:
         self._say(f"run {self.run_dir}: {self.engine.spec.model.name}, {jax.device_count()} devices, global "
                   f"batch {schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
                   f"{schedule.total_steps} steps, precision {self.engine.spec.precision}")
-        stop = StopSignal()
+        stop = self.stop or StopSignal()
         reads = self.reads = StepReads(self.observe, self.start.meta.log_window if self.start.meta else None)
-        first_step = True
+        first_step, first = True, self.step
         try:
             while self.step < schedule.total_steps:
                 if self._stop_check_due() and stop.agreed():
@@ -262,6 +265,8 @@ class Trainer:
                     if problem:
                         self._roll_back(*problem)
                         continue  # go on from the checkpoint, and stop at the next check
+                    if self.step == first and self.checkpoints.latest_step() != first:  # a fresh run's step 0
+                        raise Stopped(f"{stop.received or 'stop signal'} before the first step: nothing saved")
                     self.save(force=True)
                     self.checkpoints.wait()
                     self._say(f"{stop.received or 'stop signal'}: saved checkpoint {self.step} in {self.run_dir}; "
@@ -297,6 +302,10 @@ class Trainer:
                                                                         self.step))
             self.save(force=True)
             self.checkpoints.wait()
+            if self.evaluations.names and stop.agreed():
+                self._say(f"{stop.received or 'stop signal'}: checkpoint {self.step} in {self.run_dir} holds the "
+                          "finished run; final evaluation skipped (the same command runs it)")
+                return {"stopped_at": self.step}
             results = {"step": self.step,
                        **self.evaluations.run(self.evaluations.names, self._eval_weights(), self.step)}
             if len(results) > 1:
@@ -305,7 +314,8 @@ class Trainer:
                 f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_"))))
             return results
         finally:
-            stop.restore()
+            if stop is not self.stop:
+                stop.restore()
             self.checkpoints.wait()
 
     def _stop_check_due(self) -> bool:
@@ -367,29 +377,6 @@ class Trainer:
         return eval_variables(self.state.params, self.state.batch_stats)
 
 
-def train(config: ml_collections.ConfigDict) -> dict:
-    with Trainer(config) as trainer:
+def train(config: ml_collections.ConfigDict, stop: StopSignal | None = None) -> dict:
+    with Trainer(config, stop=stop) as trainer:
         return trainer.train()
-
-
-def main(argv) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.FIELD=VALUE")
-    config = _CONFIG.value
-    if config is None:
-        raise app.UsageError("give a config: --config configs/demo.py")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stdout)
-    absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        initialize_from_environment()  # a multi-process run joins before anything touches the devices
-        train(config)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_status(e)
-    return 0
-
-
-if __name__ == "__main__":
-    cli.run(main)

@@ -1,0 +1,46 @@
+"""The command line of the trainer (`python -m clip_jax.train --config configs/demo.py [--config.FIELD=VALUE ...]`,
+see `clip_jax.training.trainer`): exit 0 when the run is done or a stop signal was saved in a checkpoint, 1 for a
+run that failed, 2 for other user errors, 130 when a stop signal came before there was anything to save (one line
+each)."""
+
+import logging
+import sys
+
+from absl import app
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from clip_jax.errors import UserError, exit_status
+from clip_jax.runtime import xla_gpu
+from clip_jax.runtime.processes import initialize_from_environment
+from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
+from clip_jax.training.trainer import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+
+
+def main(argv, stop: StopSignal | None = None) -> int:
+    """`stop`: a StopSignal installed before the trainer was imported (clip_jax/train.py); else one from here."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.FIELD=VALUE")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("give a config: --config configs/demo.py")
+    stop = stop or StopSignal()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
+    absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
+    try:
+        # A multi-process run joins before anything touches the devices, and looks at a signal only once joined:
+        # the processes then agree on it (a process that left before joining would keep the others waiting).
+        joined = initialize_from_environment()
+        stop.raise_if_received("while the processes joined" if joined else "while the trainer loaded")
+        train(config, stop=stop)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_status(e)
+    except Stopped as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    return 0
