@@ -214,6 +214,7 @@ def test_the_validation_split_takes_a_share_of_every_class():
     assert sorted(np.concatenate([train, val]).tolist()) == list(range(len(labels)))
 
 
+@pytest.mark.slow
 def test_separable_features_are_learnt_and_strong_decay_shrinks_the_weights():
     rng = np.random.default_rng(0)
     centers = np.eye(3, 8)
@@ -225,6 +226,11 @@ def test_separable_features_are_learnt_and_strong_decay_shrinks_the_weights():
     logits = features @ weights[0] + bias[0]
     assert (logits.argmax(1) == labels).all()
     assert np.abs(weights[1]).sum() < 0.5 * np.abs(weights[0]).sum()
+
+    # Few-shot: k per class first, the validation share carved off those k, the refit on all k.
+    result = linear_probe.linear_probe((features, labels), (features, labels), ["a", "b", "c"], fewshot_k=4,
+                                       val_proportion=0.25, options=options)
+    assert result.num_train == 12 and len(result.val_scores) >= 7 and result.metrics["lp_acc1"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import metrics as metrics_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.clip_benchmark import BenchmarkDataset
-from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_probe, validation_split
+from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_probe
 from clip_jax.evaluation.probe_features import cached_features, weights_key
 from clip_jax.evaluation.retrieval import evaluate_retrieval
 from clip_jax.runtime import ownership
@@ -72,9 +72,8 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
                           options: ProbeOptions = ProbeOptions(), feature_root: str | None = None,
                           mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                           num_threads: int | None = None, progress: bool = False) -> ProbeResult:
-    """CLIP_benchmark's `linear_probe` task (see `linear_probe`): image features of the train split (and `val`, or
-    a stratified `val_proportion` of train when > 0, to search the weight decay on) and of `test`, cached under
-    `feature_root` (see `probe_features`)."""
+    """CLIP_benchmark's `linear_probe` task (see `linear_probe.linear_probe`) on the image features of the train
+    split, `val` and `test`, cached under `feature_root` (see `probe_features`)."""
     mean, std = tuple(mean), tuple(std)
     key = weights_key(params, model.config.vision.image_size, mean, std) if feature_root else ""
 
@@ -84,12 +83,8 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
         return cached_features(feature_root, key, dataset.name, dataset.layout.split, len(dataset.classification),
                                lambda: evaluator.image_features(params, progress=progress))
 
-    train_rows = features(train)
-    val_rows = features(val) if val is not None else None
-    if val_rows is None and val_proportion > 0:
-        keep, held = validation_split(train_rows[1], val_proportion, options.seed)
-        train_rows, val_rows = (train_rows[0][keep], train_rows[1][keep]), (train_rows[0][held], train_rows[1][held])
-    return linear_probe(train_rows, features(test), test.classification.class_names, val=val_rows,
+    return linear_probe(features(train), features(test), test.classification.class_names,
+                        val=features(val) if val is not None else None, val_proportion=val_proportion,
                         fewshot_k=fewshot_k, options=options)
 
 

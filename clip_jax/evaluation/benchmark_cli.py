@@ -99,14 +99,13 @@ def plan(args, model_name: str) -> list[tuple]:
         task = task_of(args, layout)
         train = val = None
         if task == "linear_probe":
-            train = probe_split(name, args.dataset_root, args.train_split, layout, "--train_split")
-            val = probe_split(name, args.dataset_root, args.val_split, layout, "--val_split") if args.val_split \
-                else None
+            train = probe_split(name, args.train_split, layout, "--train_split")
+            val = probe_split(name, args.val_split, layout, "--val_split") if args.val_split else None
         jobs.append((layout, task, output_path(args, layout, task, model_name), train, val))
     return jobs
 
 
-def probe_split(name: str, dataset_root: str, split: str, test: clip_benchmark.Layout, flag: str):
+def probe_split(name: str, split: str, test: clip_benchmark.Layout, flag: str) -> clip_benchmark.Layout:
     try:
         return clip_benchmark.read_layout(test.root, split, name=test.name)
     except MissingInput:
@@ -218,6 +217,8 @@ def parse_args(argv=None):
     ev.add_argument("--skip_existing", action="store_true", help="skip a dataset whose --output exists")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--verbose", action="store_true", help="progress bars")
+    ev.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (one "
+                    "process per host or per GPU, e.g. under srun)")
     build = commands.add_parser("build", help="one CSV row per result JSON")
     build.add_argument("files", nargs="+", metavar="RESULT_JSON")
     build.add_argument("--output", default="benchmark.csv")
@@ -237,6 +238,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
+    if getattr(args, "distributed", False):
+        jax.distributed.initialize()
     try:
         run_eval(args) if args.command == "eval" else run_build(args)
     except UserError as e:

@@ -10,7 +10,9 @@ Weight decay is searched as CLIP_benchmark searches it: 97 values log-spaced ove
 features (ties: the smaller decay). The chosen decay is then refit on train + validation. Every candidate of a round
 trains at once (`jax.vmap` over the decays): one compilation, one pass over the data per round.
 
-`fewshot_k` keeps k images per class of the train features, drawn with the seed.
+`fewshot_k` keeps k images per class of the train features, drawn with the seed, before a validation share is
+carved off them: the probe never sees more than k images of a class (unless a separate validation split is given,
+which the refit trains on too).
 """
 
 import dataclasses
@@ -160,10 +162,11 @@ class ProbeResult:
 
 
 def linear_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray], class_names, *,
-                 val: tuple[np.ndarray, np.ndarray] | None = None, fewshot_k: int = -1,
+                 val: tuple[np.ndarray, np.ndarray] | None = None, val_proportion: float = 0.0, fewshot_k: int = -1,
                  options: ProbeOptions = ProbeOptions()) -> ProbeResult:
-    """CLIP_benchmark's linear probe of (features, labels) pairs: with `val`, the weight decay is searched on it and
-    the classifier refit on train + val; without, weight decay 0. `fewshot_k` > 0 keeps k train images per class."""
+    """CLIP_benchmark's linear probe of (features, labels) pairs. `fewshot_k` > 0 first keeps k train images per
+    class. The weight decay is searched on `val`, or else on a stratified `val_proportion` of (those) train images,
+    and the classifier refit on train + validation; with neither, weight decay 0."""
     num_classes = len(class_names)
     for name, (features, labels) in (("train", train), ("test", test), ("validation", val or train)):
         bad = labels[(labels < 0) | (labels >= num_classes)]
@@ -173,8 +176,11 @@ def linear_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, n
     if fewshot_k > 0:
         keep = fewshot_indices(train[1], fewshot_k, options.seed, class_names)
         train = (train[0][keep], train[1][keep])
+    if val is None and val_proportion > 0:
+        keep, held = validation_split(train[1], val_proportion, options.seed)
+        train, val = (train[0][keep], train[1][keep]), (train[0][held], train[1][held])
     weight_decay, scores = 0.0, {}
-    if val is not None:
+    if val is not None and len(val[1]):
         weight_decay, scores = search_weight_decay(train, val, num_classes, options)
         train = (np.concatenate([train[0], val[0]]), np.concatenate([train[1], val[1]]))
     weights, bias = fit_classifiers(*train, num_classes, [weight_decay], options)
