@@ -269,3 +269,14 @@ def test_a_pretrained_that_is_not_a_model_is_named(export, fashion, tmp_path, ca
 def test_a_retrieval_task_on_a_classification_set_is_refused(export, fashion, tmp_path, capsys):
     assert _eval(export, fashion, tmp_path, "--task", "zeroshot_retrieval") == 2
     assert "--task zeroshot_retrieval needs a retrieval dataset; wds/fashion is classification" in _error(capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "cifar10"], "--dataset 'cifar10': only CLIP_benchmark's webdataset sets are read, named wds/NAME"),
+    (["--dataset_root", "/data/{name}"], "--dataset_root '/data/{name}' cannot be formatted (KeyError: 'name')"),
+    (["--output", "{dataset}_{size}.json"], "--output '{dataset}_{size}.json' cannot be formatted"),
+    (["--dataset", "wds/cars"], "CLIP_benchmark dataset 'wds/cars' is not there: looked for"),
+])
+def test_a_bad_dataset_name_root_or_output_is_named(export, fashion, tmp_path, capsys, flags, message):
+    assert _eval(export, fashion, tmp_path, *flags) == 2  # argparse keeps the last of a repeated flag
+    assert message in _error(capsys)

@@ -50,7 +50,11 @@ def bare_name(name: str) -> str:
 def locate(name: str, dataset_root: str, split: str) -> clip_benchmark.Layout:
     """The layout of dataset `name`'s `split` under `--dataset_root` (formatted as CLIP_benchmark formats it)."""
     bare = bare_name(name)
-    root = dataset_root.format(dataset=bare, dataset_cleaned=bare.replace("/", "-"))
+    try:
+        root = dataset_root.format(dataset=bare, dataset_cleaned=bare.replace("/", "-"))
+    except (KeyError, IndexError, ValueError) as e:
+        raise InvalidInput(f"--dataset_root {dataset_root!r} cannot be formatted ({type(e).__name__}: {e}): use "
+                           "{dataset} and {dataset_cleaned}") from None
     if os.path.isdir(os.path.join(root, split)) or clip_benchmark.is_dataset_folder(root, split):
         return clip_benchmark.read_layout(root, split, name=f"wds/{bare}")
     return clip_benchmark.find_named([root], [name], split)[0]
