@@ -51,9 +51,10 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def write_dataset(root, samples, *, dataset_type=None, class_names=None, templates=None, split="test",
-                  per_shard=8):
-    """`samples`: dicts of extension -> bytes (the sample key is added); written as shards of `per_shard`."""
-    root.mkdir(parents=True)
+                  per_shard=8, exist_ok=False):
+    """`samples`: dicts of extension -> bytes (the sample key is added); written as shards of `per_shard`
+    (`exist_ok`: another split of a dataset folder written before)."""
+    root.mkdir(parents=True, exist_ok=exist_ok)
     (root / split).mkdir()
     if dataset_type:
         (root / "dataset_type.txt").write_text(dataset_type + "\n")

@@ -10,8 +10,9 @@ Modules: `sources` (image folders, TFDS, in-memory arrays, retrieval shards), `d
 their class names and prompts), `batches` (the eval transform, padded batches), `encoder` (the image and text towers
 over the mesh), `classifier` and `classification` (zero-shot accuracy), `retrieval` and `metrics` (recall@k, ranks),
 `prompts` (class names and templates), `validation` (loss and recall on held-out shards during training),
-`clip_benchmark` (LAION's CLIP_benchmark webdataset layout) and `benchmark` (its metrics and result files). The
-command line is `python -m clip_jax.zeroshot`.
+`clip_benchmark` (LAION's CLIP_benchmark webdataset layout), `benchmark` (its metrics and result files),
+`linear_probe` and `probe_features` (its linear probe and the cached features it trains on). The command lines are
+`python -m clip_jax.zeroshot` and `python -m clip_jax.benchmark` (`benchmark_cli`, CLIP_benchmark's flags).
 """
 
 from clip_jax.evaluation.benchmark import evaluate_benchmark

@@ -5,7 +5,9 @@ Classification: `acc1`, `acc5` (NaN below 5 classes) and `mean_per_class_recall`
 of those logits against the multi-hot targets. Retrieval: `image_retrieval_recall@k` (for each caption, its image is
 among the k best images) and `text_retrieval_recall@k` (for each image, one of its captions is among the k best
 captions). Each dataset's result is CLIP_benchmark's JSON record: `dataset`, `model`, `pretrained`, `task`,
-`metrics`, `language`; a collection's records are summarised in one CSV row per dataset.
+`metrics`, `language`; a collection's records are summarised in one CSV row per dataset. Its `linear_probe` task
+(`lp_acc1`, `lp_acc5`, `lp_mean_per_class_recall`) trains on the cached image features of a train split (see
+`linear_probe`, `probe_features`).
 """
 
 import csv
@@ -14,6 +16,7 @@ import math
 import os
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -21,6 +24,8 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import metrics as metrics_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.clip_benchmark import BenchmarkDataset
+from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_probe
+from clip_jax.evaluation.probe_features import cached_features, weights_key
 from clip_jax.evaluation.retrieval import evaluate_retrieval
 from clip_jax.runtime import ownership
 
@@ -62,10 +67,37 @@ def evaluate_benchmark(model, params, dataset: BenchmarkDataset, mesh: Mesh, *, 
     return classification_metrics(logits, labels)
 
 
+def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: BenchmarkDataset, mesh: Mesh, *,
+                          val: BenchmarkDataset | None = None, val_proportion: float = 0.0, fewshot_k: int = -1,
+                          options: ProbeOptions = ProbeOptions(), feature_root: str | None = None,
+                          mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
+                          num_threads: int | None = None, progress: bool = False) -> ProbeResult:
+    """CLIP_benchmark's `linear_probe` task (see `linear_probe.linear_probe`) on the image features of the train
+    split, `val` and `test`, cached under `feature_root` (see `probe_features`)."""
+    mean, std = tuple(mean), tuple(std)
+    key = weights_key(params, model.config.vision.image_size, mean, std) if feature_root else ""
+
+    def features(dataset: BenchmarkDataset):
+        evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, mean=mean, std=std,
+                                      batch_size=device_batch(mesh, options.batch_size), num_threads=num_threads)
+        return cached_features(feature_root, key, dataset.name, dataset.layout.split, len(dataset.classification),
+                               lambda: evaluator.image_features(params, progress=progress))
+
+    return linear_probe(features(train), features(test), test.classification.class_names,
+                        val=features(val) if val is not None else None, val_proportion=val_proportion,
+                        fewshot_k=fewshot_k, options=options)
+
+
+def device_batch(mesh: Mesh, batch_size: int) -> int:
+    """An encoding batch: `batch_size` rounded up to a multiple of the devices and of the processes."""
+    step = math.lcm(mesh.size, jax.process_count())
+    return -(-batch_size // step) * step
+
+
 def result_record(dataset: BenchmarkDataset, metrics: dict[str, float], *, model: str, pretrained: str,
-                  language: str = "en") -> dict:
-    """CLIP_benchmark's result JSON for one dataset."""
-    return {"dataset": dataset.name, "model": model, "pretrained": pretrained, "task": dataset.layout.task,
+                  language: str = "en", task: str | None = None) -> dict:
+    """CLIP_benchmark's result JSON for one dataset (`task`: the dataset's zero-shot task unless given)."""
+    return {"dataset": dataset.name, "model": model, "pretrained": pretrained, "task": task or dataset.layout.task,
             "metrics": metrics, "language": language}
 
 
@@ -85,11 +117,16 @@ def write_record(record: dict, directory: str) -> str:
     """Writes one result JSON into `directory`; returns its path. NaN metrics are written as NaN, like
     CLIP_benchmark's files."""
     path = os.path.join(directory, result_filename(record))
-    ownership.claim_file(path, writing="the result", change="give another output folder")
+    write_record_file(record, path, change="give another output folder")
+    return path
+
+
+def write_record_file(record: dict, path: str, *, change: str = "give another --output") -> None:
+    """Writes one result JSON to `path` (its folder made when missing)."""
+    ownership.claim_file(path, writing="the result", change=change)
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
-    return path
 
 
 def write_summary(records: Sequence[dict], path: str) -> None:

@@ -48,6 +48,12 @@ def _gathered_logits(mesh, features, classifier, labels, valid):
     return jax.lax.with_sharding_constraint(out, replicated(mesh))
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _gathered(mesh, *rows):
+    """The rows of a global batch (features [B, E], labels [B], valid [B]), replicated on every process."""
+    return jax.lax.with_sharding_constraint(rows, replicated(mesh))
+
+
 class ZeroShotEvaluator:
     """Zero-shot accuracy of `model` on `dataset`: `evaluator(params) -> {"top1": ..., "top5": ..., "num_images": N}`.
 
@@ -129,6 +135,21 @@ class ZeroShotEvaluator:
         if len(labels) != len(self.dataset):
             raise RuntimeError(f"evaluated {len(labels)} images of {len(self.dataset)}")
         return logits, labels
+
+    def image_features(self, params, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Host image features float32 [N, E] (L2-normalised) and labels int32 [N] of every image, on every process,
+        in the order of `logits` (what a linear probe trains on)."""
+        params = self.encoder.place(params)
+        features, labels = [], []
+        for batch_features, batch_labels, valid in self._encoded_batches(params, len(self.dataset.class_names),
+                                                                         progress):
+            rows = [np.asarray(x) for x in _gathered(self.mesh, batch_features, batch_labels, valid)]
+            features.append(rows[0][rows[2]].astype(np.float32))
+            labels.append(rows[1][rows[2]])
+        features, labels = np.concatenate(features), np.concatenate(labels)
+        if len(labels) != len(self.dataset):
+            raise RuntimeError(f"encoded {len(labels)} images of {len(self.dataset)}")
+        return features, labels
 
     def _encoded_batches(self, params, num_classes: int, progress: bool, check_labels: bool = True):
         """(image features [B, E], labels [B], valid [B]) of every global batch, on the mesh."""
