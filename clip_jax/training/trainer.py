@@ -32,7 +32,7 @@ from clip_jax.runtime import ownership, storage, xla_gpu
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
-from clip_jax.runtime.processes import initialize_from_environment
+from clip_jax.runtime.processes import initialize_from_environment, leave_run
 from clip_jax.training import spike_telemetry
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
@@ -159,7 +159,7 @@ class Trainer:
                 self.data_iter.close()  # stops the worker processes and frees their shared memory
             outputs, self.checkpoints, self.data_iter, self.outputs = self.outputs, None, None, None
             if outputs is not None:
-                outputs.close()
+                outputs.close(failed)
             if failed and self.is_main:
                 self.new_dir.remove_if_unused()
 
@@ -387,7 +387,9 @@ def main(argv) -> int:
         train(config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return exit_status(e)
+        return leave_run(exit_status(e))
+    except Exception as e:  # a bug: its traceback (a rank of several ends at once, not at JAX's exit barrier)
+        return leave_run(1, e)
     return 0
 
 
