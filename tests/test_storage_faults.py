@@ -4,7 +4,6 @@ line naming the bucket, the previous checkpoint intact."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -12,12 +11,12 @@ import time
 
 import boto3
 import jax
+import local_s3
 import numpy as np
 import pytest
 from s3_fault_proxy import FaultProxy
 from trainer_run import tiny_config
 
-from clip_jax.runtime import storage
 from clip_jax.runtime.checkpoints import read_params
 from clip_jax.training import trainer as train_lib
 
@@ -27,33 +26,17 @@ SETTINGS = dict(train_num_samples=512, save_every_steps=2, keep=10)  # 8 steps, 
 TRAINING_FIELDS = ("step", "loss", "accuracy", "logit_scale", "grad_norm", "learning_rate", "samples_seen", "replay")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """(a boto3 client straight to a moto S3 server, the fault proxy in front of it); the AWS_* variables point at
     the proxy, which starts without faults."""
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = FaultProxy(f"http://127.0.0.1:{port}", seed=0, slow_s=0.3)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "test-key",
-                           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_REGION": "us-east-1",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-                           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}.items():
-            env.setenv(key, value)
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
-        client.create_bucket(Bucket=BUCKET)
-        yield client, proxy
-    proxy.close()
-    server.stop()
+    with local_s3.moto_server() as endpoint, FaultProxy(endpoint, seed=0, slow_s=0.3) as proxy:
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in local_s3.aws_env(proxy.url).items():
+                env.setenv(key, value)
+            client = boto3.client("s3", endpoint_url=endpoint)
+            client.create_bucket(Bucket=BUCKET)
+            yield client, proxy
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +45,7 @@ def shards(fashion_mnist_shards):
 
 
 def committed_steps(client, run: str) -> list[int]:
-    """Step folders under RUN/checkpoints/ holding their commit marker, read straight from the server."""
-    prefix = f"{run}/checkpoints/"
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    found = [item["Key"][len(prefix):] for page in pages for item in page.get("Contents", ())]
-    return sorted({int(key.split("/")[0]) for key in found if key.count("/") == 1
-                   and key.endswith("/" + storage.COMMIT_FILE)})
+    return local_s3.committed_steps(client, BUCKET, run)
 
 
 def flat_params(run_dir: str, step: int | None = None) -> dict:
