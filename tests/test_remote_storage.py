@@ -330,9 +330,16 @@ def test_gs_run_directories_take_the_commit_file_scheme_without_network(shards, 
     assert gs_spec["driver"].startswith("gcs") and gs_spec["bucket"] == "bucket"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://store.example:9000")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv(storage.RETRIES_VARIABLE, "5")
     s3_spec = tensorstore_utils.build_kvstore_tspec("s3://bucket/runs/1/state", use_ocdbt=False)
     assert s3_spec == {"driver": "s3", "bucket": "bucket", "path": "runs/1/state/",
-                       "endpoint": "http://store.example:9000", "aws_region": "eu-west-3"}
+                       "endpoint": "http://store.example:9000", "aws_region": "eu-west-3",
+                       "aws_credentials": {"type": "environment"},
+                       "context": {"s3_request_retries": {"max_retries": 5, "initial_delay": "0.5s",
+                                                          "max_delay": "16s"}}}
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    assert "aws_credentials" not in tensorstore_utils.build_kvstore_tspec("s3://bucket/x", use_ocdbt=False)
     assert tensorstore_utils.build_kvstore_tspec("/tmp/x", use_ocdbt=False)["driver"] == "file"
 
     real_find_spec = importlib.util.find_spec

@@ -11,6 +11,7 @@ of `ops.replay`. A write that fails for want of space stops the run with one lin
 import json
 import logging
 
+from clip_jax.errors import RunFailed
 from clip_jax.ops.device_telemetry import Telemetry, progress_parts
 from clip_jax.ops.replay import Replays, read_records
 from clip_jax.ops.writers import TensorBoardWriter, progress_line
@@ -90,15 +91,22 @@ class RunOutputs:
             log.warning("could not upload the run's metrics to %s at step %d (%s); retrying at the next save",
                         self.run_dir, step, e)
 
-    def close(self) -> None:
-        """Closes the writers, then uploads the staged files a last time (their last events included)."""
+    def close(self, failed: bool = False) -> None:
+        """Closes the writers, then uploads the staged files a last time (their last events included). In a run
+        that `failed` (its error told already: often the same bucket, which then fails this upload too) a failed
+        upload is a note naming where the metrics are kept, not a second error."""
         staged, self.staged = self.staged, None
         for opened in (self.tensorboard, self.wandb, self.device_telemetry):
             if opened is not None:
                 opened.close()
         self.tensorboard = self.wandb = self.device_telemetry = None
-        if staged is not None:
-            staged.close()
+        try:
+            if staged is not None:
+                staged.close()
+        except RunFailed as e:
+            if not failed:
+                raise
+            self.say(str(e))
 
     def _write(self, step: int, scalars: dict, line: dict) -> None:
         if not self.is_main:

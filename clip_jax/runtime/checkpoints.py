@@ -78,14 +78,18 @@ class RunCheckpoints:
         storage.prepare_for_orbax(self.directory)
         # On a bucket an interrupted save leaves a step folder without its commit file: Orbax's clean-up removes
         # it, so the step can be saved again.
-        remote = storage.is_remote(self.directory)
+        remote = self.remote = storage.is_remote(self.directory)
+        # On a bucket the step folder is made before save() returns, so that a store that fails is told there and
+        # not left to a background thread the save then waits on for Orbax's 20 minutes.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save, create=not read_only,
             cleanup_tmp_directories=remote and not read_only, read_only=read_only,
-            temporary_path_class=storage.checkpoint_temporary_path_class(self.directory))
+            temporary_path_class=storage.checkpoint_temporary_path_class(self.directory),
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=not remote))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._saving: int | None = None  # the step of the save in flight, if any
-        self._failed = False  # a save failed for want of space: told once, in one line (storage_faults)
+        self._completed = self._manager.latest_step()  # the newest step known complete (a bucket may not answer)
+        self._failed = False  # a save failed (full storage, a bucket that failed): told once, in one line
         storage_faults.quiet_orbax_out_of_space(True)
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
@@ -97,23 +101,31 @@ class RunCheckpoints:
             DATA_ITER: grain.checkpoint.CheckpointSave(data_iterator),
             META: ocp.args.JsonSave(meta.to_json()),
         })
-        with self._out_of_space_told(step):  # also a previous save's failure, which Orbax raises here
+        self.wait()  # the previous save first (Orbax would wait for it too): a failure names the right step
+        with self._storage_failure_told(step):
             started = self._manager.save(step, args=args, force=force)
-        self._saving = step if started else self._saving
+        self._saving = step if started else None
         return started
 
     @contextlib.contextmanager
-    def _out_of_space_told(self, step: int | None = None):
-        """A context in which a full storage becomes `StorageFull` (one line, raised once)."""
+    def _storage_failure_told(self, step: int | None = None):
+        """A context in which a full storage becomes `StorageFull`, and on a bucket a storage that failed after its
+        retries `StorageFailed` (one line, raised once)."""
         try:
             yield
         except Exception as e:
-            if self._failed or not storage_faults.is_out_of_space(e):
+            if self._failed:
                 raise
-            self._failed = True
-            failed = self._saving if self._saving is not None else step
-            raise storage_faults.storage_full(self.directory, f"saving checkpoint {failed}", e,
-                                              latest_complete_step(self.directory)) from None
+            failed = f"saving checkpoint {step if step is not None else self._saving}"
+            if storage_faults.is_out_of_space(e):
+                self._failed = True
+                raise storage_faults.storage_full(self.directory, failed, e,
+                                                  latest_complete_step(self.directory)) from None
+            if self.remote and storage_faults.is_storage_error(e):
+                self._failed = True  # the bucket may not answer a listing now: the newest save seen to complete
+                raise storage_faults.storage_failed(self.directory, failed, e, self._completed,
+                                                    storage.retry_attempts()) from None
+            raise
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -137,12 +149,14 @@ class RunCheckpoints:
         return restored[STATE], CheckpointMeta.from_json(dict(restored[META]))
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk. After a save failed for want of space (already told), nothing
-        is pending any more."""
+        """Blocks until pending saves are on disk. After a save failed (already told), nothing is pending any
+        more."""
         if self._failed:
             return
-        with self._out_of_space_told():
+        with self._storage_failure_told():
             self._manager.wait_until_finished()
+        if self._saving is not None:
+            self._completed = self._saving
         self._saving = None
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 Every process calls `initialize_from_environment()` before anything touches the devices. It returns False (and
 does nothing) for a single-process run. The coordination service's heartbeat makes every surviving process exit
 with an error when a peer dies, within `CLIP_JAX_HEARTBEAT_TIMEOUT` seconds, instead of waiting in a collective
-until the job's time limit.
+until the job's time limit. A process whose run fails ends through `leave_run`, so that it does die: left to
+Python's exit, JAX's exit handler waits at a shutdown barrier for the peers, which wait in a collective for it.
 
 Variables (all optional under SLURM, which supplies the coordinator, the process count and the rank itself):
     CLIP_JAX_COORDINATOR        host:port of process 0's coordination service
@@ -18,6 +19,7 @@ Variables (all optional under SLURM, which supplies the coordinator, the process
 import dataclasses
 import os
 import sys
+import traceback
 from collections.abc import Mapping
 
 import jax
@@ -28,6 +30,7 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID = "CLIP_JAX_COORDINATOR", "CLIP_JAX_NUM_P
 LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
 HEARTBEAT_TIMEOUT, INIT_TIMEOUT = "CLIP_JAX_HEARTBEAT_TIMEOUT", "CLIP_JAX_INIT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT = 100, 300
+_joined = False  # this process joined a multi-process run
 
 
 class DistributedInitError(RunFailed):
@@ -113,6 +116,7 @@ def initialize(group: ProcessGroup) -> None:
     jax.config.update("jax_enable_preemption_service", False)
     print(f"clip_jax.runtime.processes: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "
           f"fails the run after {group.heartbeat_timeout} s without heartbeat)", file=sys.stderr, flush=True)
+    global _joined
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator, num_processes=group.num_processes,
@@ -122,6 +126,7 @@ def initialize(group: ProcessGroup) -> None:
         raise DistributedInitError(
             f"{group.describe()} failed to join the run: {e}. Check that every rank started, that the "
             f"coordinator's port is reachable, and raise {INIT_TIMEOUT} if starts are slow") from e
+    _joined = True
 
 
 def initialize_from_environment() -> bool:
@@ -131,3 +136,21 @@ def initialize_from_environment() -> bool:
         return False
     initialize(group)
     return True
+
+
+def leave_run(status: int, bug: Exception | None = None) -> int:
+    """How a process whose run failed ends (its error told already; `bug`: an error that is not the user's, whose
+    traceback is still to be printed). Alone, it returns `status` for the caller to exit with (`bug` is raised
+    again). A rank of a multi-process run prints the traceback and ends here at once with `status`, skipping
+    Python's exit handlers: JAX's would wait at the shutdown barrier for peers that wait in a collective for this
+    rank, and neither would end until a timeout. Its end closes its connections and stops its heartbeat, so the
+    peers fail within the heartbeat timeout and a launcher sees the failure now."""
+    if not _joined:
+        if bug is not None:
+            raise bug
+        return status
+    if bug is not None:
+        traceback.print_exception(bug)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -9,6 +9,10 @@ matter to a run:
 - no append: files the trainer appends to or keeps open (metrics.jsonl, TensorBoard events, W&B files) are written
   in a local staging folder and uploaded whole (`StagedOutputs`).
 
+Requests that fail now and then (a 500 or 503 answer, a cut connection, a slow one) are retried by each client with
+the same number of attempts (`retry_attempts`, `CLIP_JAX_STORAGE_RETRIES`): botocore (s3fs) and TensorStore, with
+exponential backoff; what fails after them stops the run (`clip_jax.runtime.storage_faults`).
+
 Array data goes through TensorStore. Orbax 0.12.8 hands it only `gs://` URLs natively; `enable_orbax_s3` teaches
 Orbax's spec builder to hand it `s3://` ones too, with the endpoint and region of the AWS environment variables.
 """
@@ -26,6 +30,9 @@ from clip_jax.errors import InvalidInput, MissingInput, RunFailed, require_extra
 REMOTE_SCHEMES = ("s3", "gs")
 _PACKAGES = {"s3": "s3fs", "gs": "gcsfs"}
 COMMIT_FILE = "commit_success.txt"  # Orbax's marker of a committed step under the commit-file scheme
+RETRIES_VARIABLE, DEFAULT_RETRIES = "CLIP_JAX_STORAGE_RETRIES", 8
+# TensorStore's backoff between attempts (botocore's standard mode has its own: random, up to 2^attempt s, max 20 s)
+_FIRST_DELAY, _MAX_DELAY = "0.5s", "16s"
 
 
 def scheme(path: str) -> str:
@@ -67,12 +74,33 @@ def dirname(path: str) -> str:
     return posixpath.dirname(absolute(path)) if is_remote(path) else os.path.dirname(path)
 
 
+def retry_attempts() -> int:
+    """How many times each request to a bucket is tried before it counts as failed: `CLIP_JAX_STORAGE_RETRIES`
+    (default 8: with the clients' backoff about a minute of a store that does not answer)."""
+    value = os.environ.get(RETRIES_VARIABLE, "").strip() or str(DEFAULT_RETRIES)
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidInput(f"{RETRIES_VARIABLE}={value!r}: give the number of attempts per request, at least 1")
+    return int(value)
+
+
 def use_fsspec_for_urls(path: str) -> None:
     """Makes `etils.epath` (ours and Orbax's) reach s3:// and gs:// through fsspec (s3fs, gcsfs). Where TensorFlow
     is importable epath would pick `tf.io.gfile` instead, which has no S3 filesystem; set once a remote run
-    directory is used, so that local runs leave epath's choice alone."""
+    directory is used, so that local runs leave epath's choice alone. s3fs gets the run's retries (`retry_attempts`)
+    before its first filesystem object is made."""
     if is_remote(path):
         os.environ.setdefault("EPATH_USE_TF", "false")
+    if scheme(path) == "s3":
+        _retry_s3_requests()
+
+
+def _retry_s3_requests() -> None:
+    """fsspec's defaults for every s3fs filesystem made from here on: botocore's standard retry mode (500, 503,
+    throttling, connection errors) with `retry_attempts()` attempts. s3fs keeps its own few retries around them
+    (of throttling answers and of a body cut off while it was read). A filesystem already made keeps its settings."""
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {"retries": {"max_attempts": retry_attempts(), "mode": "standard"}})
 
 
 def _forget_listings(path: str) -> None:
@@ -225,11 +253,16 @@ def checkpoint_temporary_path_class(directory: str):
 
 def s3_kvstore_spec(url: str) -> dict:
     """TensorStore's spec of the `s3://bucket/prefix/` key-value store, with the endpoint and region the AWS
-    environment variables name (TensorStore does not read AWS_ENDPOINT_URL itself)."""
+    environment variables name (TensorStore does not read AWS_ENDPOINT_URL itself), the run's retries, and the
+    credentials of AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY where they are set."""
     bucket, _, prefix = url.split("://", 1)[1].partition("/")
-    spec = {"driver": "s3", "bucket": bucket, "path": prefix.strip("/") + "/"}
+    retries = {"max_retries": retry_attempts(), "initial_delay": _FIRST_DELAY, "max_delay": _MAX_DELAY}
+    spec = {"driver": "s3", "bucket": bucket, "path": prefix.strip("/") + "/",
+            "context": {"s3_request_retries": retries}}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if os.environ.get("AWS_ACCESS_KEY_ID"):  # the keys the default chain would take first, without its complaints
+        spec["aws_credentials"] = {"type": "environment"}  # about absent ~/.aws files on every save
     if endpoint:
         spec["endpoint"] = endpoint
     if region:

@@ -1,10 +1,13 @@
-"""A run directory's storage that fills up (or runs out of quota) stops the run with one line (`StorageFull`).
+"""A run directory's storage that fills up (or runs out of quota) stops the run with one line (`StorageFull`); so
+does a bucket that keeps failing after every retry (`StorageFailed`).
 
 A full disk shows up in several shapes: an `OSError` with errno ENOSPC / EDQUOT from a plain write (metrics.jsonl,
 config.json), and, from Orbax's array writer (TensorStore), a `ValueError` whose text carries
 "No space left on device [os_error_code='28']", raised when the next save or a wait collects the failed one. Both are
 told the same way: the storage, the error, the last complete checkpoint (untouched: the failed save never replaced
-it) and how to continue. Orbax also logs the failure of each of its writer threads at error level before the error
+it) and how to continue. On a bucket, requests that fail now and then (a 500 or 503 answer, a cut connection) are
+retried by the storage clients (`clip_jax.runtime.storage.retry_attempts`); what still fails after those retries
+(an outage) stops the run the same way, naming the bucket's checkpoint folder. Orbax also logs the failure of each of its writer threads at error level before the error
 reaches the run; while a run's checkpoints are open those out-of-space lines are left to the one line.
 """
 
@@ -21,6 +24,31 @@ _NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded",
 
 class StorageFull(RunFailed):
     """The run directory's storage has no space left: the run cannot save and stops."""
+
+
+class StorageFailed(RunFailed):
+    """The run directory's bucket kept failing (or did not answer) after every retry: the run cannot save."""
+
+
+# TensorStore's errors reach Python as ValueError with an absl status text; these say the store failed, not the caller
+_STORE_STATUS = ("UNAVAILABLE:", "ABORTED:", "DEADLINE_EXCEEDED:", "INTERNAL:", "UNKNOWN:", "RESOURCE_EXHAUSTED:",
+                 "retry attempts failed", "HTTP response code", "CURL error")
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "gcsfs", "google")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is the storage failing: an OSError or a timeout (s3fs turns
+    S3's answers into those), an error of the storage clients (botocore, aiohttp), or TensorStore's status text of a
+    store that failed. A programming error (TypeError, a KeyError of ours) is not."""
+    while error is not None:
+        if isinstance(error, (OSError, TimeoutError)):
+            return True
+        if type(error).__module__.split(".")[0] in _CLIENT_MODULES:
+            return True
+        if isinstance(error, ValueError) and any(text in str(error) for text in _STORE_STATUS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def is_out_of_space(error: BaseException) -> bool:
@@ -50,6 +78,16 @@ def storage_full(where: str, doing: str, error: BaseException, last_complete: in
             else "no checkpoint was complete yet")
     return StorageFull(f"the storage of {where} is full: {doing} failed ({first_line(error)}); {kept}. Free space "
                        "there (or move the run directory to a larger disk) and continue with --config.resume=latest")
+
+
+def storage_failed(where: str, doing: str, error: BaseException, last_complete: int | None,
+                   attempts: int) -> StorageFailed:
+    """The one line for a bucket under `where` that failed while `doing`, after `attempts` tries of each request."""
+    kept = (f"checkpoint {last_complete} is complete and untouched" if last_complete is not None
+            else "no checkpoint was complete yet")
+    return StorageFailed(f"the storage of {where} failed: {doing} failed after {attempts} attempts of each request "
+                         f"({first_line(error)}); {kept}. Continue with --config.resume=latest once the storage "
+                         "answers again")
 
 
 class QuietOutOfSpace(logging.Filter):

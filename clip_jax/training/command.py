@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 from clip_jax.errors import UserError, exit_status
 from clip_jax.runtime import xla_gpu
-from clip_jax.runtime.processes import initialize_from_environment
+from clip_jax.runtime.processes import initialize_from_environment, leave_run
 from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
 from clip_jax.training.trainer import train
 
@@ -39,8 +39,10 @@ def main(argv, stop: StopSignal | None = None) -> int:
         train(config, stop=stop)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return exit_status(e)
+        return leave_run(exit_status(e))
     except Stopped as e:
         print(e, file=sys.stderr, flush=True)
         return EXIT_STOPPED
+    except Exception as e:  # a bug: its traceback (a rank of several ends at once, not at JAX's exit barrier)
+        return leave_run(1, e)
     return 0

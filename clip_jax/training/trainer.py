@@ -162,7 +162,7 @@ class Trainer:
                 self.data_iter.close()  # stops the worker processes and frees their shared memory
             outputs, self.checkpoints, self.data_iter, self.outputs = self.outputs, None, None, None
             if outputs is not None:
-                outputs.close()
+                outputs.close(failed)
             if failed and self.is_main:
                 self.new_dir.remove_if_unused()
 

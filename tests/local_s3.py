@@ -1,0 +1,47 @@
+"""A local S3 server (moto) on a free 127.0.0.1 port for the tests of run directories on a bucket, and what they
+read from it straight (boto3, not the code under test)."""
+
+import contextlib
+import socket
+
+COMMIT_FILE = "commit_success.txt"  # Orbax's marker of a committed step on a bucket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server():
+    """Yields the server's URL while it runs."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def aws_env(endpoint: str) -> dict[str, str]:
+    """The AWS_* variables of a client of `endpoint` with the server's test credentials, no other AWS set-up."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
+            "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
+
+
+def keys(client, bucket: str, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", ()))
+
+
+def committed_steps(client, bucket: str, run: str) -> list[int]:
+    """Step folders under RUN/checkpoints/ that hold their commit marker."""
+    prefix = f"{run}/checkpoints/"
+    found = [key[len(prefix):] for key in keys(client, bucket, prefix)]
+    return sorted({int(key.split("/")[0]) for key in found if key.count("/") == 1
+                   and key.endswith("/" + COMMIT_FILE)})
