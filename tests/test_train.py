@@ -222,10 +222,16 @@ def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(shards, tmp_path_factory):
+def uninterrupted_logs(shards, tmp_path_factory):
+    """The logs folder of a whole run of `tiny_config(shards, logs)`: 32 steps, checkpoints every 8. Read only."""
     logs = tmp_path_factory.mktemp("reference")
     train_lib.train(tiny_config(shards, logs))
-    return losses(logs / "run")
+    return logs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_logs):
+    return losses(uninterrupted_logs / "run")
 
 
 @pytest.mark.subprocess
@@ -360,10 +366,12 @@ def test_a_missing_shard_pattern_is_named(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_fresh_run_refuses_a_run_directory_that_has_checkpoints(shards, tmp_path):
-    train_lib.train(tiny_config(shards, tmp_path, epochs=1, train_num_samples=512))
+def test_a_fresh_run_refuses_a_run_directory_that_has_checkpoints(shards, uninterrupted_logs):
+    saved = saved_steps(uninterrupted_logs / "run")
+    assert saved
     with pytest.raises(ValueError, match="already has checkpoints"):
-        train_lib.Trainer(tiny_config(shards, tmp_path, epochs=1, train_num_samples=512))
+        train_lib.Trainer(tiny_config(shards, uninterrupted_logs))
+    assert saved_steps(uninterrupted_logs / "run") == saved
 
 
 def test_device_count_is_what_the_tests_assume():

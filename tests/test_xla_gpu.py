@@ -25,7 +25,7 @@ from clip_jax.run_config import default_config
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import GPUS, get_gpu
 from clip_jax.runtime.mesh import create_mesh, state_shardings
-from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
+from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step, mesh_for
 from clip_jax.training.train_step import init_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,13 +63,15 @@ def test_every_target_config_compiles_a_matmul_for_its_gpu(gpu):
 @pytest.mark.slow
 def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_path):
     """The planner's XLA:GPU figure equals the memory analysis of the step built by hand, compiled by JAX's own
-    deviceless API over the same target config and topology."""
+    deviceless API over the same target config and topology (the planner compiles that very program text)."""
     model_file = tmp_path / "tiny.json"
     model_file.write_text(__import__("json").dumps(TINY))
     config = default_config()
     config.update(model=str(model_file), batch_size=4, precision="bf16", grad_checkpointing=True, fsdp=True,
                   train_num_samples=1000, epochs=1, workers=1)
-    result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False)
+    compiles = []  # (lowered, compiler options, compiled) of every compile the planner runs
+    with mock.patch.object(jax.stages.Lowered, "compile", recording(compiles)):
+        result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False)
     memory = result.memory_per_device
     assert memory.compiler == "gpu" and "XLA:GPU" in memory.measured_by
     assert result.setup.attention == "cudnn"  # auto, on a GPU, in bf16
@@ -78,9 +80,13 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
                                             topology="1x2x4")
     mesh = create_mesh(topology.devices)
     # The step function itself from the factory; its devices, state layout, batch and compile options by hand.
-    # The trainer's step carries the spike telemetry (on by default, every log_every_n_steps).
+    # The trainer's step carries the spike telemetry (on by default, every log_every_n_steps) and the config's
+    # optimizer (a constant learning rate: no run length is planned).
+    optimizer = OptimizerSpec(config.opt, lr=config.lr, warmup=config.warmup, weight_decay=config.wd,
+                              b1=config.beta1, b2=config.beta2, eps=config.eps,
+                              grad_clip_norm=config.grad_clip_norm or None)
     built = build_step(StepSpec(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True,
-                                telemetry_every=config.log_every_n_steps), mesh)
+                                optimizer=optimizer, telemetry_every=config.log_every_n_steps), mesh)
     shapes = jax.eval_shape(lambda rng: init_train_state(init_params(built.model, rng), built.optimizer),
                             jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=True)
@@ -88,8 +94,12 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     batch_sharding = NamedSharding(mesh, P("data"))
     batch = {"images": jax.ShapeDtypeStruct((32, 32, 32, 3), jnp.float32, sharding=batch_sharding),
              "tokens": jax.ShapeDtypeStruct((32, 16), jnp.int32, sharding=batch_sharding)}
-    direct = built.update.lower(state, batch).compile(
-        compiler_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}).memory_analysis()
+    # That program compiled with the options a deviceless compile needs: the planner has compiled it (the same
+    # program text, the same options), so its compile is the direct one and is not run a second time here.
+    hand_built = program_text(built.update.lower(state, batch))
+    (direct,) = [compiled.memory_analysis() for lowered, options, compiled in compiles
+                 if program_text(lowered) == hand_built
+                 and options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}]
     assert memory.argument_bytes == direct.argument_size_in_bytes
     assert memory.temp_bytes == direct.temp_size_in_bytes
     assert memory.total_bytes == (direct.argument_size_in_bytes + direct.output_size_in_bytes
@@ -97,6 +107,25 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     program = result.step_program
     assert program.fused_attention_calls["forward"] >= 2 and program.fused_attention_calls["backward"] >= 2
     assert program.collectives.count["reduce-scatter"] >= 1
+
+
+def recording(compiles: list):
+    """`jax.stages.Lowered.compile` that also appends (lowered, compiler options, compiled) to `compiles`."""
+    compile_lowered = jax.stages.Lowered.compile
+
+    def compile_and_record(lowered, compiler_options=None, **kwargs):
+        compiled = compile_lowered(lowered, compiler_options, **kwargs)
+        compiles.append((lowered, compiler_options, compiled))
+        return compiled
+
+    return compile_and_record
+
+
+def program_text(lowered) -> str:
+    """The lowered program's text, the custom partitioning calls (cuDNN's attention) without the ids of their
+    Python callbacks, which differ from one lowering to the next."""
+    return re.sub(r'(@CustomSPMDPartitioning\([^)]*\) \{api_version = \d+ : i32, backend_config = )"\d+"',
+                  r'\1"callback"', lowered.as_text())
 
 
 def fused_attention_shapes(hlo: str) -> dict[str, set[int]]:
@@ -303,6 +332,8 @@ def test_bad_planner_input_gets_one_line_and_exit_status_2(args, hide, message):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_path):
+    # Without remat: the planner then counts FLOPs on one XLA:CPU step, not two (the remat step's count is the
+    # in-process planner test's and test_plan.py's).
     model_file = tmp_path / "tiny.json"
     model_file.write_text(__import__("json").dumps(TINY))
     config_file = tmp_path / "tiny_run.py"
@@ -310,7 +341,7 @@ def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_pat
                            "def get_config():\n"
                            "    c = default_config()\n"
                            f"    c.update(model={str(model_file)!r}, batch_size=2, train_num_samples=1000, epochs=1,\n"
-                           "             workers=1)\n"
+                           "             workers=1, grad_checkpointing=False)\n"
                            "    return c\n")
     done = subprocess.run([sys.executable, "-m", "clip_jax.plan", f"--config={config_file}", "--gpu=h200",
                            "--gpus=16", "--topology=4x4", "--nosearch_batch"],
