@@ -93,7 +93,11 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out"))
     args = parser.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="interrupt-sweep-")
+    with tempfile.TemporaryDirectory(prefix="interrupt-sweep-") as tmp:  # ~400 MB of runs, removed at the end
+        sweep(args, tmp)
+
+
+def sweep(args, tmp: str) -> None:
     paths = make_shards.write_shards(make_shards.fashion_mnist_samples("train", limit=1024),
                                      os.path.join(tmp, "shards"), 256)
     model = os.path.join(tmp, "model.json")
