@@ -33,15 +33,23 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def write_folder(root: pathlib.Path, per_shard: int = 2500) -> int:
     """The test split as a CLIP_benchmark folder; returns the number of images."""
-    images, labels = fashion_mnist.load("test")
-    (root / "test").mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     (root / "classnames.txt").write_text("\n".join(fashion_mnist.with_article(c) for c in fashion_mnist.CLASS_NAMES)
                                          + "\n")
     (root / "zeroshot_classification_templates.txt").write_text(
         "\n".join(t.replace("{}", "{c}") for t in fashion_mnist.ZEROSHOT_TEMPLATES) + "\n")
+    return write_split(root, "test", per_shard=per_shard)
+
+
+def write_split(root: pathlib.Path, split: str, limit: int | None = None, per_shard: int = 2500) -> int:
+    """The first `limit` images of a Fashion-MNIST split as `root/split/N.tar` (CLIP_benchmark's webdataset
+    layout: KEY.png + KEY.cls) and `nshards.txt`; returns the number of images."""
+    images, labels = fashion_mnist.load(split)
+    images, labels = images[:limit], labels[:limit]
+    (root / split).mkdir(parents=True)
     shards = -(-len(images) // per_shard)
     for s in range(shards):
-        with tarfile.open(root / "test" / f"{s}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        with tarfile.open(root / split / f"{s}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
             for i in range(s * per_shard, min(len(images), (s + 1) * per_shard)):
                 png = io.BytesIO()
                 Image.fromarray(images[i]).save(png, format="png")
@@ -49,7 +57,7 @@ def write_folder(root: pathlib.Path, per_shard: int = 2500) -> int:
                     info = tarfile.TarInfo(f"s{i:07d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-    (root / "test" / "nshards.txt").write_text(f"{shards}\n")
+    (root / split / "nshards.txt").write_text(f"{shards}\n")
     return len(images)
 
 

@@ -15,17 +15,15 @@ is reference time / ours. Writes benchmarks/out/linear_probe.json.
 """
 
 import argparse
-import io
 import json
 import os
 import pathlib
 import platform
-import tarfile
 import tempfile
 import time
 
 import numpy as np
-from PIL import Image
+from clip_benchmark_eval import write_split
 
 from clip_jax.data import fashion_mnist
 from clip_jax.evaluation import benchmark_cli
@@ -33,24 +31,6 @@ from clip_jax.interop import export as export_lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 C_GRID = np.logspace(0, 4, 9)
-
-
-def write_split(root: pathlib.Path, split: str, limit: int, per_shard: int = 5000) -> int:
-    images, labels = fashion_mnist.load(split)
-    images, labels = images[:limit], labels[:limit]
-    (root / split).mkdir(parents=True)
-    shards = -(-len(images) // per_shard)
-    for s in range(shards):
-        with tarfile.open(root / split / f"{s}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(s * per_shard, min(len(images), (s + 1) * per_shard)):
-                png = io.BytesIO()
-                Image.fromarray(images[i]).save(png, format="png")
-                for ext, data in (("png", png.getvalue()), ("cls", str(int(labels[i])).encode())):
-                    info = tarfile.TarInfo(f"s{i:07d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    (root / split / "nshards.txt").write_text(f"{shards}\n")
-    return len(images)
 
 
 def ours(folder: pathlib.Path, export: pathlib.Path, out: pathlib.Path, features: pathlib.Path) -> tuple[float, dict]:
@@ -110,7 +90,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         folder = tmp / "fashion"
-        num_images = write_split(folder, "train", args.train_limit) + write_split(folder, "test", args.test_limit)
+        num_images = write_split(folder, "train", args.train_limit, 5000) + write_split(folder, "test", args.test_limit, 5000)
         (folder / "classnames.txt").write_text("\n".join(fashion_mnist.CLASS_NAMES) + "\n")
         (folder / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\n")
         export = tmp / "export"

@@ -60,6 +60,14 @@ def start_ranks(config, num_processes, devices, *, heartbeat=60, init_timeout=60
     return processes
 
 
+def kill_survivors(processes) -> None:
+    """SIGKILL for every rank still running (a test that failed midway leaves none behind)."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def global_batches(config, process_count, seed=None):
     """The global batches of a `process_count`-process run (data seed `seed`, else the config's), assembled here
     from every process's iterator."""
@@ -171,10 +179,7 @@ def test_killing_one_process_makes_the_other_exit_on_the_heartbeat_timeout(shard
         processes[0].wait(timeout=heartbeat * 6 + 30)  # no exit by then: the survivor hangs (the test fails)
         waited = time.perf_counter() - killed
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_survivors(processes)
     print(f"survivor exited {waited:.1f} s after its peer was killed (heartbeat timeout {heartbeat} s)")
     log = (tmp_path / "rank-0.log").read_text()
     assert processes[0].returncode == -signal.SIGABRT, log[-3000:]
@@ -194,10 +199,7 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
         processes[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in processes]
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_survivors(processes)
     logs = [(tmp_path / f"rank-{r}.log").read_text() for r in (0, 1)]
     assert codes == [0, 0], "\n\n".join(logs)
     stopped = int(re.search(r"saved checkpoint (\d+)", logs[0]).group(1))
@@ -222,10 +224,7 @@ def test_a_sigterm_to_one_process_during_the_set_up_stops_both_in_one_line_each(
         processes[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in processes]
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_survivors(processes)
     logs = [(tmp_path / f"rank-{r}.log").read_text() for r in (0, 1)]
     assert codes == [130, 130], "\n\n".join(logs)
     stop_line = r"^{} [a-z ]+: stopped before the first step, nothing saved$"
