@@ -135,7 +135,8 @@ def main() -> int:
             stopped = time.perf_counter()
             proxy.set(rate=0.0, kinds=("500", "503", "slow", "cut"))
             committed = local_s3.committed_steps(client, BUCKET, "outage/run")
-            outage_row = dict(stopped=True, seconds_to_stop=stopped - began.get(0, stopped), retries=args.outage_retries,
+            outage_row = dict(stopped=True, seconds_to_stop=stopped - began.get(0, stopped),
+                              retries=args.outage_retries,
                               last_committed=max(committed, default=None), trained_to=trainer.step if trainer else None,
                               message=str(e))
             outage_row["steps_lost"] = (outage_row["trained_to"] or 0) - (outage_row["last_committed"] or 0)
