@@ -13,18 +13,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forget_clients() -> None:
+    """Drops the s3fs filesystems made so far (etils.epath's and fsspec's caches of them): each holds the endpoint
+    of its time, and a test module's server is not the previous module's."""
+    import s3fs
+    from etils.epath import backend
+
+    backend.fsspec_backend._get_filesystem.cache_clear()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @contextlib.contextmanager
 def moto_server():
-    """Yields the server's URL while it runs."""
+    """Yields the server's URL while it runs; the s3fs filesystems of an earlier server are forgotten."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    forget_clients()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
+        forget_clients()
 
 
 def aws_env(endpoint: str) -> dict[str, str]:

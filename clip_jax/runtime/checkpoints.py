@@ -79,8 +79,8 @@ class RunCheckpoints:
         # On a bucket an interrupted save leaves a step folder without its commit file: Orbax's clean-up removes
         # it, so the step can be saved again.
         remote = self.remote = storage.is_remote(self.directory)
-        # On a bucket the step folder is made before save() returns, so that a store that fails is told there and
-        # not left to a background thread the save then waits on for Orbax's 20 minutes.
+        # On a bucket the step folder is made before save() returns, so that a store that fails is told there: made
+        # by a background thread that failed, the save waited minutes for its signal (Orbax's coordination timeout).
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save, create=not read_only,
             cleanup_tmp_directories=remote and not read_only, read_only=read_only,

@@ -76,7 +76,7 @@ def dirname(path: str) -> str:
 
 def retry_attempts() -> int:
     """How many times each request to a bucket is tried before it counts as failed: `CLIP_JAX_STORAGE_RETRIES`
-    (default 8: with the clients' backoff about a minute of a store that does not answer)."""
+    (default 8)."""
     value = os.environ.get(RETRIES_VARIABLE, "").strip() or str(DEFAULT_RETRIES)
     if not value.isdigit() or int(value) < 1:
         raise InvalidInput(f"{RETRIES_VARIABLE}={value!r}: give the number of attempts per request, at least 1")
@@ -100,7 +100,8 @@ def _retry_s3_requests() -> None:
     (of throttling answers and of a body cut off while it was read). A filesystem already made keeps its settings."""
     import fsspec.config
 
-    fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {"retries": {"max_attempts": retry_attempts(), "mode": "standard"}})
+    retries = {"max_attempts": retry_attempts(), "mode": "standard"}
+    fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {"retries": retries})
 
 
 def _forget_listings(path: str) -> None:

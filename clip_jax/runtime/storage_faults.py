@@ -7,8 +7,9 @@ config.json), and, from Orbax's array writer (TensorStore), a `ValueError` whose
 told the same way: the storage, the error, the last complete checkpoint (untouched: the failed save never replaced
 it) and how to continue. On a bucket, requests that fail now and then (a 500 or 503 answer, a cut connection) are
 retried by the storage clients (`clip_jax.runtime.storage.retry_attempts`); what still fails after those retries
-(an outage) stops the run the same way, naming the bucket's checkpoint folder. Orbax also logs the failure of each of its writer threads at error level before the error
-reaches the run; while a run's checkpoints are open those out-of-space lines are left to the one line.
+(an outage) stops the run the same way, naming the bucket's checkpoint folder. Orbax also logs the failure of each
+of its writer threads at error level before the error reaches the run; while a run's checkpoints are open those
+out-of-space lines are left to the one line.
 """
 
 import errno
