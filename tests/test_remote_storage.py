@@ -6,13 +6,13 @@ import glob
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import boto3
 import jax
+import local_s3
 import numpy as np
 import pytest
 from trainer_run import tiny_config
@@ -28,42 +28,24 @@ BUCKET = "clip-runs"
 STOP_AT = 10  # the stopped run saves here; 16 steps in all, a checkpoint every 4, the newest 2 kept
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on a free localhost port, the AWS_* variables pointing at it, and an empty bucket."""
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test-key",
-                           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_REGION": "us-east-1",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-                           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}.items():
+    with local_s3.moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        for key, value in local_s3.aws_env(endpoint).items():
             env.setenv(key, value)
         client = boto3.client("s3")
         client.create_bucket(Bucket=BUCKET)
         yield client
-    server.stop()
 
 
 def keys(client, prefix: str) -> list[str]:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    return sorted(item["Key"] for page in pages for item in page.get("Contents", ()))
+    return local_s3.keys(client, BUCKET, prefix)
 
 
 def steps_on_bucket(client, run: str) -> list[int]:
     """Step folders under RUN/checkpoints/ that hold a commit marker, read with boto3 alone."""
-    prefix = f"{run}/checkpoints/"
-    return sorted({int(key[len(prefix):].split("/")[0]) for key in keys(client, prefix)
-                   if key.endswith("/commit_success.txt") and key[len(prefix):].count("/") == 1})
+    return local_s3.committed_steps(client, BUCKET, run)
 
 
 def losses_from_text(text: str) -> dict[int, float]:
@@ -310,7 +292,7 @@ def test_missing_credentials_are_one_clear_line(s3, shards, monkeypatch):
 
 @pytest.mark.subprocess
 def test_an_unreachable_endpoint_is_one_clear_line(s3, shards, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{local_s3.free_port()}")
     with pytest.raises(RunFailed, match="cannot reach the storage endpoint"):
         train_lib.Trainer(tiny_config(shards, f"s3://{BUCKET}/runs"))
 
