@@ -46,6 +46,21 @@ def aws_env(endpoint: str) -> dict[str, str]:
             "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
 
 
+@contextlib.contextmanager
+def bucket_on(endpoint: str, bucket: str, *, clients_via: str | None = None):
+    """Creates `bucket` on the server at `endpoint` and yields a boto3 client straight to that server, while the
+    AWS_* variables send the code under test to `clients_via` (a proxy in front of it; default: the server)."""
+    import boto3
+    import pytest
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in aws_env(clients_via or endpoint).items():
+            env.setenv(key, value)
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield client
+
+
 def keys(client, bucket: str, prefix: str) -> list[str]:
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return sorted(item["Key"] for page in pages for item in page.get("Contents", ()))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import boto3
 import jax
 import local_s3
 import numpy as np
@@ -86,11 +85,7 @@ BUCKET_RUN = dict(train_num_samples=512, save_every_steps=4, keep=10, resume="la
 
 @pytest.fixture(scope="module")
 def s3():
-    with local_s3.moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
-        for key, value in local_s3.aws_env(endpoint).items():
-            env.setenv(key, value)
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
+    with local_s3.moto_server() as endpoint, local_s3.bucket_on(endpoint, BUCKET) as client:
         yield client
 
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import boto3
 import jax
 import local_s3
 import numpy as np
@@ -31,11 +30,7 @@ STOP_AT = 10  # the stopped run saves here; 16 steps in all, a checkpoint every 
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on a free localhost port, the AWS_* variables pointing at it, and an empty bucket."""
-    with local_s3.moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
-        for key, value in local_s3.aws_env(endpoint).items():
-            env.setenv(key, value)
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
+    with local_s3.moto_server() as endpoint, local_s3.bucket_on(endpoint, BUCKET) as client:
         yield client
 
 

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 
-import boto3
 import jax
 import local_s3
 import numpy as np
@@ -31,11 +30,7 @@ def s3():
     """(a boto3 client straight to a moto S3 server, the fault proxy in front of it); the AWS_* variables point at
     the proxy, which starts without faults."""
     with local_s3.moto_server() as endpoint, FaultProxy(endpoint, seed=0, slow_s=0.3) as proxy:
-        with pytest.MonkeyPatch.context() as env:
-            for key, value in local_s3.aws_env(proxy.url).items():
-                env.setenv(key, value)
-            client = boto3.client("s3", endpoint_url=endpoint)
-            client.create_bucket(Bucket=BUCKET)
+        with local_s3.bucket_on(endpoint, BUCKET, clients_via=proxy.url) as client:
             yield client, proxy
 
 
