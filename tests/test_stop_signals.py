@@ -3,6 +3,7 @@ anything to save and 0 once a checkpoint holds the stop, no traceback from the t
 leaked shared memory, and a resumed run equal to an uninterrupted one. The full sweep over six moments:
 benchmarks/interrupt_sweep.py."""
 
+import json
 import os
 import re
 import signal
@@ -27,8 +28,10 @@ def shards(fashion_mnist_shards):
 
 
 def stop_config(shards, logs, **overrides):
-    """16 steps of 64 with one data worker, a checkpoint every 4 steps."""
-    return tiny_config(shards, logs, train_num_samples=1024, workers=1, save_every_steps=4, **overrides)
+    """2 epochs of 8 steps of 64 with one data worker, a checkpoint every 4 steps, a zero-shot evaluation on 64
+    demo images at the end of each epoch."""
+    return tiny_config(shards, logs, train_num_samples=512, epochs=2, workers=1, save_every_steps=4,
+                       zeroshot_data="demo", zeroshot_samples=64, zeroshot_frequency=1, **overrides)
 
 
 def launch(config, env=None) -> subprocess.Popen:
@@ -177,15 +180,20 @@ def test_ctrl_c_while_the_trainer_imports_exits_130_in_one_line(shards, tmp_path
 def uninterrupted(shards, tmp_path_factory):
     logs = tmp_path_factory.mktemp("uninterrupted")
     train_lib.train(stop_config(shards, logs))
-    return losses(logs / "run")
+    return losses(logs / "run"), evaluations(logs / "run")
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("moment", ["save"])
-def test_ctrl_c_during_a_save_saves_a_checkpoint_and_the_run_resumes_identically(shards, tmp_path, uninterrupted,
-                                                                                 moment):
-    config, pause = stop_config(shards, tmp_path, resume="latest"), tmp_path / "paused"
+def evaluations(run_dir) -> list[dict]:
+    """metrics.jsonl's zero-shot records, in order (without the `replay` mark a record of the step a run resumed at
+    carries: the outputs held that step's loss)."""
+    with open(run_dir / "metrics.jsonl") as f:
+        return [{k: v for k, v in r.items() if k != "replay"} for r in map(json.loads, f) if "zeroshot_top1" in r]
+
+
+def ctrl_c_at(moment: str, config, tmp_path) -> str:
+    """Ctrl-C to the trainer once it reaches `moment` (the test seam of tests/train_config.py: "save" or
+    "evaluation"); its output, after it exited 0 without a traceback."""
+    pause = tmp_path / "paused"
     process = launch(config, {"CLIP_JAX_TEST_PAUSE_AT": moment, "CLIP_JAX_TEST_PAUSE_FILE": str(pause)})
     wait_for_file(pause, process)
     ctrl_c(process)
@@ -193,6 +201,14 @@ def test_ctrl_c_during_a_save_saves_a_checkpoint_and_the_run_resumes_identically
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 0, output
     assert not NOT_CLEAN.search(output), output
+    return output
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_ctrl_c_during_a_save_saves_a_checkpoint_and_the_run_resumes_identically(shards, tmp_path, uninterrupted):
+    config = stop_config(shards, tmp_path, resume="latest")
+    output = ctrl_c_at("save", config, tmp_path)
     stops = re.findall(r"^SIGINT: saved checkpoint (\d+) in .*; exiting\. Continue with --config.resume=latest$",
                        output, re.M)
     assert len(stops) == 1, output
@@ -203,4 +219,41 @@ def test_ctrl_c_during_a_save_saves_a_checkpoint_and_the_run_resumes_identically
     assert resumed["step"] == 16
     got = losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 17))
-    np.testing.assert_array_equal([got[s] for s in range(1, 17)], [uninterrupted[s] for s in range(1, 17)])
+    np.testing.assert_array_equal([got[s] for s in range(1, 17)], [uninterrupted[0][s] for s in range(1, 17)])
+    assert evaluations(tmp_path / "run") == uninterrupted[1]  # at step 8 and 16, once each
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_ctrl_c_during_an_evaluation_cuts_it_short_and_the_resumed_run_makes_it_first(shards, tmp_path,
+                                                                                       uninterrupted):
+    config = stop_config(shards, tmp_path, resume="latest")
+    output = ctrl_c_at("evaluation", config, tmp_path)
+    assert re.search(r"^SIGINT: saved checkpoint 8 in .*; evaluation cut short \(the resumed run makes it\); "
+                     r"exiting\. Continue with --config.resume=latest$", output, re.M), output
+    assert "zero-shot on" not in output  # not one batch encoded after the signal
+    assert evaluations(tmp_path / "run") == []
+
+    resumed = train_lib.train(config)
+    assert resumed["step"] == 16
+    got = losses(tmp_path / "run")
+    np.testing.assert_array_equal([got[s] for s in range(1, 17)], [uninterrupted[0][s] for s in range(1, 17)])
+    assert evaluations(tmp_path / "run") == uninterrupted[1]  # step 8's made up first, then step 16's
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_ctrl_c_while_the_demo_writes_its_shards_stops_between_shards_and_leaves_no_partial_set(shards, tmp_path):
+    folder = tmp_path / "new" / "fashion-mnist"
+    config = stop_config(shards, tmp_path, train_data=f"{folder}/{{00000..00059}}.tar", make_train_data="fashion-mnist")
+    process = launch(config)
+    first = process.stdout.readline()  # the writer's note: where, how many MB
+    assert re.fullmatch(r"make_train_data='fashion-mnist': .* does not exist yet; writing the 60,000 Fashion-MNIST "
+                        r"training images there as 60 shards \(about \d+ MB\)\n", first), first
+    ctrl_c(process)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130, first + output
+    assert output == ("SIGINT while the data shards were written (the unfinished set was removed): stopped before "
+                      "the first step, nothing saved\n")
+    assert not list(folder.glob("*.tar")) and not list(folder.glob("*_stats.json"))
+    assert not (tmp_path / "new").exists()  # the folders the writer made went with its unfinished set

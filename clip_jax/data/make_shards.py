@@ -31,7 +31,7 @@ from PIL import Image
 from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.runtime import ownership
+from clip_jax.runtime import cut_short, ownership
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 # What the demo's shards take per Fashion-MNIST image (tar members, stats and parquet): 3.84 MB for the first 1,024
@@ -123,9 +123,11 @@ def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int
     for sample in samples:
         pending.append(sample)
         if len(pending) == samples_per_shard:
+            cut_short.check()  # a stop signal ends the writing between shards (`runtime.cut_short`)
             paths.append(write_shard(pending, out_dir, len(paths)))
             pending = []
     if pending:
+        cut_short.check()
         paths.append(write_shard(pending, out_dir, len(paths)))
     return paths
 

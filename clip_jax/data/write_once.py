@@ -4,7 +4,8 @@ The ranks of a local launch start together and all find the demo's shards missin
 lock writes the files into a hidden temporary folder inside it and moves them into place, the files that mark a set
 complete last; the others wait for the lock, then find the set complete and write nothing. A writer killed half way
 leaves no marker for its unfinished part, so the next run writes the set again (and removes the killed writer's
-temporary folder).
+temporary folder). A writer stopped by a signal (`runtime.cut_short`) removes its temporary folder, and the folders
+it made, at once.
 
 Only a folder that is new, empty or holds nothing but what clip_jax wrote there (:mod:`clip_jax.runtime.ownership`) is
 written: any other file in it stops the writer before it creates anything, with one line naming the files.
@@ -23,7 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
-from clip_jax.runtime import ownership
+from clip_jax.runtime import cut_short, ownership
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,27 @@ def write_once(folder: str, *, is_complete: Callable[[], bool], write: Callable[
     if is_complete():
         return False
     ownership.refuse_foreign(folder, writing=f"writing {what}", change=change)
+    made = _folders_to_make(folder)
+    try:
+        return _write_locked(folder, is_complete, write, marker_suffix, what, change)
+    except cut_short.CutShort:  # one process's stop signal (never given to several writers): nothing of it stays
+        if made:
+            os.remove(os.path.join(folder, LOCK_FILE))
+            for made_folder in reversed(made):
+                os.rmdir(made_folder)
+        raise
+
+
+def _folders_to_make(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist, outermost first."""
+    missing = []
+    while folder and not os.path.lexists(folder):
+        missing.insert(0, folder)
+        folder = os.path.dirname(folder)
+    return missing
+
+
+def _write_locked(folder, is_complete, write, marker_suffix, what, change) -> bool:
     with folder_lock(folder):
         if is_complete():
             return False

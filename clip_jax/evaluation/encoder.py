@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from clip_jax.errors import InvalidInput
+from clip_jax.runtime import cut_short
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.models.config import is_resnet
 from clip_jax.models.variables import as_variables
@@ -76,18 +77,24 @@ class ShardedEncoder:
                                "not its params alone")
         return replicate(params, self.mesh)
 
+    # Every batch an evaluation encodes goes through one of the three methods below: each is where it may be cut
+    # short (`cut_short`).
+
     def image_features(self, params, images: jax.Array) -> jax.Array:
         """Features [B, E] of images [B, S, S, 3] already on the mesh, left split over it like the images."""
+        cut_short.check()
         return _features(self.model, "encode_image", None, params, images)
 
     def text_features(self, params, tokens: np.ndarray) -> jax.Array:
         """Features [B', E], replicated, of host token ids int32 [B, L] (B' is B rounded up to a multiple of the
         mesh size; the extra rows encode padding)."""
+        cut_short.check()
         return _features(self.model, "encode_text", replicated(self.mesh), params, shard_rows(tokens, self.mesh))
 
     def encode_images(self, params, images: np.ndarray) -> np.ndarray:
         """Features float32 [B, E] of one host batch of normalised images [B, S, S, 3] that every process holds in
         full."""
+        cut_short.check()
         features = _features(self.model, "encode_image", replicated(self.mesh), params,
                              shard_rows(images, self.mesh))
         return np.asarray(features)[:len(images)]

@@ -53,6 +53,10 @@ class Replays:
     def is_replay(self, step: int) -> bool:
         return step <= self.through
 
+    def held(self, step: int) -> dict:
+        """The records of `step` metrics.jsonl held from the resumed step on, merged (later ones win)."""
+        return {k: v for record in self._held.get(step, ()) for k, v in record.items()}
+
     def already_written(self, line: dict) -> bool:
         """Whether metrics.jsonl holds this record already (the same fields and values at its step)."""
         return any(all(held.get(k) == v for k, v in line.items()) for held in self._held.get(line["step"], ()))

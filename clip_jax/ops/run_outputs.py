@@ -56,6 +56,11 @@ class RunOutputs:
         if self.is_main:
             print(message, flush=True)
 
+    def recorded(self, step: int) -> dict:
+        """What metrics.jsonl held for `step` (at or after the step a run resumed at) when the run started, its
+        records merged; {} on every process but 0."""
+        return self.replays.held(step) if self.is_main else {}
+
     def record(self, step: int, scalars: dict) -> None:
         self._write(step, scalars, {"step": step, **scalars})
 

@@ -3,16 +3,22 @@
 One rule says when each is due (`epoch_due`): at the end of every `frequency`-th epoch, but not at the run's last
 step, after which the loop runs all of them once (`final`). Both evaluate the current params (with a ResNet image
 tower's running statistics) in fp32 compute, on the run's model at its image size, over the trainer's mesh; every
-process gets the same numbers.
+process gets the same numbers. A stop signal cuts an evaluation short within one batch (`runtime.cut_short`);
+the run resumed from that step's checkpoint makes the evaluations its metrics lack first (`owed`).
 """
 
 import functools
 from collections.abc import Callable
 
+import jax
+import numpy as np
+
+from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.interop.pretrained import model_at_image_size
 from clip_jax.models import create_model
 
 ZEROSHOT, VALIDATION = "zeroshot", "validation"
+RESULT_PREFIX = {ZEROSHOT: "zeroshot_", VALIDATION: "val_"}  # of the metric names each evaluation records
 
 
 def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:
@@ -70,11 +76,49 @@ class Evaluations:
                      if epoch_due(step, self.steps_per_epoch, frequency[name], self.total_steps))
 
     def run(self, names, weights, step: int) -> dict[str, float]:
-        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, ... of `weights` (params, or a ResNet's eval variables)."""
+        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, ... of `weights` (params, or a ResNet's eval variables). Cut
+        short by a stop signal inside `cut_short.cut_short_when`: `CutShort.done` holds the results of
+        the evaluations that finished."""
         results = {}
-        for name in names:
-            results.update(self.zeroshot(weights, step) if name == ZEROSHOT else self.validate(weights, step))
+        try:
+            for name in names:
+                results.update(self.zeroshot(weights, step) if name == ZEROSHOT else self.validate(weights, step))
+        except CutShort as cut:
+            cut.done = results
+            raise
         return results
+
+    def run_and_record(self, names, weights, step: int, *, should_stop: Callable[[], bool],
+                       record: Callable[[int, dict], None]) -> dict[str, float] | None:
+        """`run`, its results recorded (`record(step, results)`); None when `should_stop()` cut it short (what
+        finished is recorded; the rest is `owed` to the run resumed from this step)."""
+        try:
+            with cut_short_when(should_stop):
+                results, cut = self.run(names, weights, step), False
+        except CutShort as e:
+            results, cut = e.done, True
+        if results:
+            record(step, results)
+        return None if cut else results
+
+    def missing(self, names, record: dict) -> tuple[str, ...]:
+        """Those of `names` whose results `record` (what metrics.jsonl holds for a step) lacks."""
+        return tuple(name for name in names if not any(key.startswith(RESULT_PREFIX[name]) for key in record))
+
+    def owed(self, step: int, resumed_here: bool, record: dict) -> tuple[str, ...]:
+        """The evaluations due at `step` that a run resumed there from its own checkpoint has no results of in
+        `record` (what its metrics.jsonl holds for the step, read by process 0): a stop cut them short, or the run
+        died first. Process 0's answer is every process's (evaluations are collectives)."""
+        due = self.due(step) if resumed_here else ()
+        if not due:
+            return ()
+        owed = self.missing(due, record)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.broadcast_one_to_all(np.array([name in owed for name in due], np.int32))
+            owed = tuple(name for name, flag in zip(due, np.asarray(flags)) if flag)
+        return owed
 
     @functools.cached_property
     def zeroshot_evaluator(self):

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from clip_jax.ops.writers import MetricsWindow
+from clip_jax.training.spike_telemetry import flatten
 
 
 def local_values(tree):
@@ -87,3 +88,12 @@ class StepReads:
         self.window = MetricsWindow()
         self.restart_clock()
         return taken
+
+    def telemetry(self, step: int, every: int) -> dict[str, float]:
+        """The spike telemetry of `step` (computed every `every` steps), flattened, when it is the step just read;
+        else {}. Copied from a local device: a logging step's only read of it."""
+        if self.last_read is None or self.last_read[0] != step or "telemetry" not in self.last_read[1]:
+            return {}
+        if not every or step % every:  # the final step of a run may fall between telemetry steps
+            return {}
+        return flatten(local_values(self.last_read[1]["telemetry"]))

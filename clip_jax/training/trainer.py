@@ -20,6 +20,7 @@ import numpy as np
 
 from clip_jax import data
 from clip_jax.errors import RunFailed
+from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
@@ -29,7 +30,6 @@ from clip_jax.runtime import ownership, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
-from clip_jax.training import spike_telemetry
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
 from clip_jax.training.preemption import Stopped, StopSignal
@@ -39,7 +39,7 @@ from clip_jax.training.schedule import make_schedule
 from clip_jax.training.stability import InstabilityMonitor
 from clip_jax.training.remat_choice import step_spec
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
-from clip_jax.training.step_reads import StepReads, local_values
+from clip_jax.training.step_reads import StepReads
 
 log = logging.getLogger("clip_jax.train")
 
@@ -74,7 +74,7 @@ class Trainer:
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
-        self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
+        self.shards = self._train_shards()
         self._stop_check("while the data shards were found or written")
         self.schedule = make_schedule(config, jax.device_count(), self.shards)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
@@ -131,6 +131,16 @@ class Trainer:
                                        total_steps=self.schedule.total_steps,
                                        loss_batch_size=self.schedule.global_batch, say=self._say)
         self._stop_check("while the evaluations were set up")
+
+    def _train_shards(self) -> list[str]:
+        """The run's shards (the demo's written first; a stop signal in one process ends that between shards,
+        the unfinished set removed by `data.write_once`; several processes finish it and stop together)."""
+        try:
+            with cut_short_when(lambda: jax.process_count() == 1 and bool(self.stop and self.stop.received)):
+                return data.resolve_train_shards(data.TrainDataConfig.from_run_config(self.config))
+        except CutShort:
+            self._stop_check("while the data shards were written (the unfinished set was removed)")
+            raise
 
     def _stop_check(self, moment: str) -> None:
         if self.stop is not None:
@@ -259,6 +269,10 @@ class Trainer:
         reads = self.reads = StepReads(self.observe, self.start.meta.log_window if self.start.meta else None)
         first_step, first = True, self.step
         try:
+            own = self.start.resume_from is not None and self.start.resume_from[0] == self.checkpoints.directory
+            owed = self.evaluations.owed(self.step, own, self.outputs.recorded(self.step))
+            if owed and self._evaluate(owed, stop) is None:
+                return self._stopped_in_evaluation(stop)
             while self.step < schedule.total_steps:
                 if self._stop_check_due() and stop.agreed():
                     problem = reads.catch_up()
@@ -294,22 +308,21 @@ class Trainer:
                     self._roll_back(*problem)
                     continue
                 if log_due:
-                    self._log_window(*reads.take_window(), telemetry=self._telemetry(reads.last_read))
+                    telemetry = reads.telemetry(self.step, self.engine.spec.telemetry_every)
+                    self._log_window(*reads.take_window(), telemetry=telemetry)
                 if save_due:
                     self.save()
-                if evaluations_due:
-                    self.outputs.record(self.step, self.evaluations.run(evaluations_due, self._eval_weights(),
-                                                                        self.step))
+                if evaluations_due and self._evaluate(evaluations_due, stop) is None:
+                    return self._stopped_in_evaluation(stop)
             self.save(force=True)
             self.checkpoints.wait()
-            if self.evaluations.names and stop.agreed():
+            names = self.evaluations.names
+            final = None if names and stop.agreed() else self._evaluate(names, stop)
+            if final is None:
                 self._say(f"{stop.received or 'stop signal'}: checkpoint {self.step} in {self.run_dir} holds the "
                           "finished run; final evaluation skipped (the same command runs it)")
                 return {"stopped_at": self.step}
-            results = {"step": self.step,
-                       **self.evaluations.run(self.evaluations.names, self._eval_weights(), self.step)}
-            if len(results) > 1:
-                self.outputs.record(self.step, {k: v for k, v in results.items() if k != "step"})
+            results = {"step": self.step, **final}
             self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
                 f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_"))))
             return results
@@ -317,6 +330,20 @@ class Trainer:
             if stop is not self.stop:
                 stop.restore()
             self.checkpoints.wait()
+
+    def _evaluate(self, names, stop: StopSignal) -> dict[str, float] | None:
+        """The results of the evaluations `names`, recorded; None when a stop signal cut them short."""
+        if not names:
+            return {}
+        return self.evaluations.run_and_record(names, self._eval_weights(), self.step, should_stop=stop.agreed,
+                                               record=self.outputs.record)
+
+    def _stopped_in_evaluation(self, stop: StopSignal) -> dict:
+        self.save(force=True)  # a no-op when the step was saved before its evaluations
+        self.checkpoints.wait()
+        self._say(f"{stop.received or 'stop signal'}: saved checkpoint {self.step} in {self.run_dir}; evaluation "
+                  "cut short (the resumed run makes it); exiting. Continue with --config.resume=latest")
+        return {"stopped_at": self.step}
 
     def _stop_check_due(self) -> bool:
         """Every step in one process; every STOP_CHECK_EVERY_STEPS steps across processes, where agreeing on a
@@ -335,16 +362,6 @@ class Trainer:
         if problem and self.monitor.last_problem == "loss_spike":
             self.outputs.event("loss_spike", step, loss_value=loss, reason=problem)
         return problem
-
-    def _telemetry(self, last_read: tuple[int, dict] | None) -> dict[str, float]:
-        """The spike telemetry of the step just read, when it is this step and computed it; copied from a local
-        device (a logging step's only read of it)."""
-        if last_read is None or last_read[0] != self.step or "telemetry" not in last_read[1]:
-            return {}
-        step = self.engine.spec.telemetry_every
-        if not step or self.step % step:  # the final step of a run may fall between telemetry steps
-            return {}
-        return spike_telemetry.flatten(local_values(last_read[1]["telemetry"]))
 
     def _log_window(self, window: MetricsWindow, steps: int, elapsed: float, data_wait: float,
                     telemetry: dict | None = None) -> None:
