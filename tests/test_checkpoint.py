@@ -54,3 +54,23 @@ def test_another_width_is_refused_naming_the_leaf_both_shapes_and_the_saved_mode
 def test_a_leaf_only_this_run_has_is_named(saved):
     with pytest.raises(CheckpointMismatchError, match="params/text_projection: only in this run"):
         saved.restore(7, abstract(train_state(8, extra=True)))
+
+
+def test_orbax_records_the_run_tells_itself_stay_quiet_until_the_last_open_manager_closes(tmp_path):
+    import logging
+
+    def shown(message: str, level=logging.WARNING) -> bool:
+        record = logging.LogRecord("absl", level, "/site-packages/orbax/checkpoint/checkpoint_manager.py", 1,
+                                   message, None, None)
+        return all(f.filter(record) for f in logging.getLogger("absl").filters)
+
+    waited = "Waiting for previous save to complete took 1.5 seconds. If this number is high, consider ..."
+    assert shown(waited)
+    run = RunCheckpoints(str(tmp_path / "run"), async_save=False)
+    other = RunCheckpoints(str(tmp_path / "run"), read_only=True)  # another run's, opened beside it
+    assert not shown(waited) and shown("some other Orbax warning")
+    other.close()
+    other.close()  # closing twice lets go once
+    assert not shown(waited)  # the run's manager is still open
+    run.close()
+    assert shown(waited)

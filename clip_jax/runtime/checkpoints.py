@@ -90,6 +90,7 @@ class RunCheckpoints:
         self._saving: int | None = None  # the step of the save in flight, if any
         self._completed = self._manager.latest_step()  # the newest step known complete (a bucket may not answer)
         self._failed = False  # a save failed (full storage, a bucket that failed): told once, in one line
+        self._quiet = True  # holds Orbax's records that the run tells itself, until closed
         storage_faults.quiet_orbax_out_of_space(True)
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
@@ -170,7 +171,9 @@ class RunCheckpoints:
                 if not self._failed:  # a failed save's error again: told already
                     raise
             finally:
-                storage_faults.quiet_orbax_out_of_space(False)
+                if self._quiet:
+                    self._quiet = False
+                    storage_faults.quiet_orbax_out_of_space(False)
 
 
 def read_meta(directory: str, step: int) -> CheckpointMeta | None:

@@ -92,21 +92,28 @@ def storage_failed(where: str, doing: str, error: BaseException, last_complete: 
 
 
 class QuietOutOfSpace(logging.Filter):
-    """Drops Orbax's own error-level records of an out-of-space write (the run tells it in one line)."""
+    """Drops Orbax's own error-level records of an out-of-space write (the run tells it in one line), and its
+    warning that a save waited for the previous one (RunCheckpoints waits for it on purpose, before each save)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        if "orbax" not in record.pathname:
             return True
+        if record.levelno < logging.ERROR:
+            return not record.getMessage().startswith("Waiting for previous save to complete")
         if record.exc_info and record.exc_info[1] is not None and is_out_of_space(record.exc_info[1]):
             return False
         return not any(text in record.getMessage() for text in _NO_SPACE_TEXTS)
 
 
 _QUIET = QuietOutOfSpace()
+_quiet_holders = 0  # the checkpoint managers open: the filter stays until the last one closes
 
 
 def quiet_orbax_out_of_space(on: bool) -> None:
-    """Installs (or removes) the filter on the loggers Orbax writes through (absl's and the root logger)."""
+    """Installs the filter on the loggers Orbax writes through (absl's and the root logger) for one more holder
+    (`on`), or lets one go (the filter is removed with the last)."""
+    global _quiet_holders
+    _quiet_holders = _quiet_holders + 1 if on else max(0, _quiet_holders - 1)
     for name in ("absl", ""):
         logger = logging.getLogger(name)
-        (logger.addFilter if on else logger.removeFilter)(_QUIET)
+        (logger.addFilter if _quiet_holders else logger.removeFilter)(_QUIET)
