@@ -257,3 +257,30 @@ def test_ctrl_c_while_the_demo_writes_its_shards_stops_between_shards_and_leaves
                       "the first step, nothing saved\n")
     assert not list(folder.glob("*.tar")) and not list(folder.glob("*_stats.json"))
     assert not (tmp_path / "new").exists()  # the folders the writer made went with its unfinished set
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, line", [("compile", "run "), ("first step", "step 1/")])
+def test_ctrl_c_while_the_first_step_compiles_or_right_after_it_stops_in_one_line(shards, tmp_path, moment, line):
+    """Ctrl-C as soon as the trainer prints `line` (the "run ..." line comes just before the first step compiles;
+    step 1's log line just after it ran): exit 130 with nothing saved when the stop was seen before the first
+    step, else 0 with the checkpoint that holds it."""
+    process = launch(stop_config(shards, tmp_path))
+    seen = []
+    for printed in process.stdout:
+        seen.append(printed)
+        if printed.startswith(line):
+            ctrl_c(process)
+            break
+    output = "".join(seen) + process.communicate(timeout=180)[0]
+    assert not NOT_CLEAN.search(output), output
+    stopped = output.splitlines()[-1]
+    if process.returncode == 130:
+        assert moment == "compile" and stopped == "SIGINT before the first step: nothing saved", output
+        assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+    else:
+        assert process.returncode == 0, output
+        step = int(re.fullmatch(r"SIGINT: saved checkpoint (\d+) in .*; exiting\. Continue with "
+                                r"--config.resume=latest", stopped).group(1))
+        assert 1 <= step < 8 and os.listdir(tmp_path / "run" / "checkpoints") == [str(step)], output
