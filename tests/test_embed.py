@@ -288,3 +288,19 @@ def test_two_processes_write_their_own_parts_of_one_output(data, tmp_path):
         np.testing.assert_allclose(two[number][0], one[number][0], atol=2e-3)
         np.testing.assert_allclose(two[number][1], one[number][1], atol=2e-3)
         assert two[number][2] == one[number][2]
+
+
+def test_texts_alone_with_the_caption_from_a_json_field(data, tmp_path, reference):
+    out = tmp_path / "out"
+    assert run_embed("--input_dataset", data["pattern"], "--input_format", "webdataset", "--output_folder", out,
+                     "--clip_model", data["model"], "--enable_image", "False", "--wds_caption_key", "json:url",
+                     "--write_batch_size", 100000) == 0
+    assert sorted(os.listdir(out)) == [".clip_jax-embed.json", ".clip_jax-written", "metadata", "text_emb"]
+    rows = pq.read_table(out / "metadata" / "metadata_0.parquet").to_pylist()
+    assert rows == [{"caption": f"https://example.com/{i}.jpg"} for i in range(10)]
+    texts = np.load(out / "text_emb" / "text_emb_0.npy").astype(np.float32)
+    model = open_clip.create_model_and_transforms(f"local-dir:{data['model']}")[0].eval()
+    with torch.no_grad():
+        expected = model.encode_text(open_clip.get_tokenizer(f"local-dir:{data['model']}")(
+            [row["caption"] for row in rows]), normalize=True).numpy()
+    assert np.all(np.sum(texts * expected, axis=1) / np.linalg.norm(texts, axis=1) >= 0.999)

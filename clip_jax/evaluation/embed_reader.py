@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -94,7 +95,7 @@ def shard_part(urls: Iterable[str], skipped: collections.Counter, fmt: webdatase
                 for group in tar_format.iter_groups(tar_format.iter_members(stream)):
                     files = group.files
                     image = next((files[ext] for ext in fmt.image_keys if ext in files), None)
-                    checked = _checked(image, files.get(fmt.caption_key), need_image=need_image,
+                    checked = _checked(image, _caption_member(files, fmt.caption_key), need_image=need_image,
                                        need_text=need_text)
                     if isinstance(checked, str):
                         skipped[checked] += 1
@@ -102,6 +103,17 @@ def shard_part(urls: Iterable[str], skipped: collections.Counter, fmt: webdatase
                     yield Sample(group.key, checked[0], checked[1], files.get("json"))
             except (tar_format.TarError, OSError) as e:
                 skipped[webdataset.shard_error_reason(e)] += 1
+
+
+def _caption_member(files: dict[str, bytes], caption_key: str) -> bytes | None:
+    """The caption's bytes: a member (`txt`), or a string field of the sample's .json (`json:FIELD`)."""
+    if not caption_key.startswith("json:"):
+        return files.get(caption_key)
+    try:
+        value = json.loads(files.get("json") or b"{}").get(caption_key[5:])
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else None
 
 
 def _image_or_reason(data: bytes, image_size: int) -> np.ndarray | str:
