@@ -167,13 +167,7 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     config = model.config
     with concurrent.futures.ThreadPoolExecutor(max(1, args.num_prepro_workers)) as pool:
         for part in todo:
-            part_input = embed_parts.part_inputs(inputs, part, parts)
-            if args.input_format == "files":
-                samples = embed_reader.folder_part(part_input, skipped, need_image=args.enable_image,
-                                                   need_text=args.enable_text)
-            else:
-                samples = embed_reader.shard_part(part_input, skipped, fmt, need_image=args.enable_image,
-                                                  need_text=args.enable_text)
+            samples = _part_samples(args, fmt, embed_parts.part_inputs(inputs, part, parts), skipped)
             batches = embed_reader.batches(samples, skipped, pool, batch_size=rows,
                                            image_size=config.vision.image_size if args.enable_image else None,
                                            tokenize=tokens if args.enable_text else None)
@@ -182,6 +176,13 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
                         embed_parts.part_number(part, parts))
     return {"parts": parts, "parts_written": len(todo), "parts_kept": len(mine) - len(todo),
             "samples": progress.samples, "skipped": dict(sorted(skipped.items())), "samples_per_s": progress.rate()}
+
+
+def _part_samples(args, fmt, part_input: list, skipped: collections.Counter):
+    needs = {"need_image": args.enable_image, "need_text": args.enable_text}
+    if args.input_format == "files":
+        return embed_reader.folder_part(part_input, skipped, **needs)
+    return embed_reader.shard_part(part_input, skipped, fmt, **needs)
 
 
 def _embed_part(encoder, placed, batches, rows, mean, std, args, paths, progress, number) -> None:
