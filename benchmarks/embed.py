@@ -2,6 +2,7 @@
 
     python benchmarks/embed.py [--model ViT-B-32] [--samples 256] [--batch-size 64] [--workers 2] [--repeats 2]
     python benchmarks/embed.py --model tiny-224   # a tiny 224 px model: decoding and resizing dominate
+    python benchmarks/embed.py --towers           # also both models' towers alone on one batch (CPU-seconds)
 
 Both sides read the same webdataset shards (photo-like JPEGs of 400-500 x 300-375 px, quality 90, a caption each)
 and the same exported model (OpenCLIP's random init of `--model`, written as an OpenCLIP folder), embed images and
@@ -161,6 +162,38 @@ def clip_jax_side(export: str, shards: list[str], warmup: list[str], out: str, b
     return {"samples": summary["samples"], "wall_s": wall, "cpu_s": cpu}
 
 
+def towers_side(export: str, batch_size: int, repeats: int = 2) -> dict:
+    """CPU-seconds of one batch through both towers (random images, one caption), OpenCLIP's and clip_jax's."""
+    import jax
+    import open_clip
+    import torch
+
+    import clip_jax
+
+    reference = open_clip.create_model_and_transforms(f"local-dir:{export}")[0].eval()
+    model, params, _, _ = clip_jax.create_model_and_transforms(f"local-dir:{export}")
+    size = model.config.vision.image_size
+    images = np.random.default_rng(0).normal(size=(batch_size, size, size, 3)).astype(np.float32)
+    tokens = np.asarray(clip_jax.get_tokenizer(f"local-dir:{export}")([CAPTIONS[0]] * batch_size))
+    towers = jax.jit(lambda p, i, t: (model.apply({"params": p}, i, method="encode_image"),
+                                      model.apply({"params": p}, t, method="encode_text")))
+
+    def open_clip_towers():
+        with torch.no_grad():
+            reference.encode_image(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
+            reference.encode_text(torch.from_numpy(tokens).long())
+
+    measured = {}
+    for side, step in (("open_clip", open_clip_towers),
+                       ("clip_jax", lambda: jax.block_until_ready(towers(params, images, tokens)))):
+        step()  # warm-up (compilation)
+        start = time.process_time()
+        for _ in range(repeats):
+            step()
+        measured[side] = (time.process_time() - start) / repeats
+    return measured
+
+
 def side_in_process(side: str, options: dict) -> dict:
     """Runs one side in a fresh Python process and returns what it measured."""
     command = [sys.executable, __file__, "--side", side, "--side-options", json.dumps(options)]
@@ -178,13 +211,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--side", choices=("open_clip", "clip_jax"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("open_clip", "clip_jax", "towers"), help=argparse.SUPPRESS)
     parser.add_argument("--side-options", help=argparse.SUPPRESS)
+    parser.add_argument("--towers", action="store_true", help="also time both models' towers alone on one batch")
     parser.add_argument("--out", help="JSON path (default benchmarks/out/embed-MODEL.json)")
     args = parser.parse_args(argv)
     if args.side:
         options = json.loads(args.side_options)
-        print(json.dumps((open_clip_side if args.side == "open_clip" else clip_jax_side)(**options)))
+        sides = {"open_clip": open_clip_side, "clip_jax": clip_jax_side, "towers": towers_side}
+        print(json.dumps(sides[args.side](**options)))
         return 0
 
     with tempfile.TemporaryDirectory() as root:
@@ -203,6 +238,7 @@ def main(argv=None) -> int:
                 runs[side].append(measured)
                 print(f"{side} run {repeat}: {measured['samples']} samples, {measured['wall_s']:.1f} s wall, "
                       f"{measured['cpu_s']:.1f} CPU-s", flush=True)
+        towers = side_in_process("towers", {"export": export, "batch_size": args.batch_size}) if args.towers else None
 
     def best(side, key):  # the fastest repeat: the one the machine's other jobs disturbed least
         return max(r["samples"] / r[key] for r in runs[side])
@@ -215,12 +251,16 @@ def main(argv=None) -> int:
         print(f"| {side} | {wall:.2f} | {cpu:.2f} |")
     wall_ratio, cpu_ratio = rows[1][1] / rows[0][1], rows[1][2] / rows[0][2]
     print(f"| clip_jax / OpenCLIP | {wall_ratio:.2f}x | {cpu_ratio:.2f}x |")
+    if towers:
+        print(f"towers alone, one batch of {args.batch_size}: OpenCLIP {towers['open_clip']:.2f} CPU-s, clip_jax "
+              f"{towers['clip_jax']:.2f} CPU-s ({towers['open_clip'] / towers['clip_jax']:.2f}x)")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"embed-{args.model}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"model": args.model, "samples": args.samples, "batch_size": args.batch_size,
                    "workers": args.workers, "cpus": os.cpu_count(), "runs": runs, "ratio_wall": wall_ratio,
-                   "ratio_per_cpu_second": cpu_ratio}, f, indent=1)
+                   "ratio_per_cpu_second": cpu_ratio,
+                   "towers_cpu_s_per_batch": towers}, f, indent=1)
     return 0
 
 
