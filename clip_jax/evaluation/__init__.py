@@ -11,8 +11,10 @@ their class names and prompts), `batches` (the eval transform, padded batches), 
 over the mesh), `classifier` and `classification` (zero-shot accuracy), `retrieval` and `metrics` (recall@k, ranks),
 `prompts` (class names and templates), `validation` (loss and recall on held-out shards during training),
 `clip_benchmark` (LAION's CLIP_benchmark webdataset layout), `benchmark` (its metrics and result files),
-`linear_probe` and `probe_features` (its linear probe and the cached features it trains on). The command lines are
-`python -m clip_jax.zeroshot` and `python -m clip_jax.benchmark` (`benchmark_cli`, CLIP_benchmark's flags).
+`linear_probe` and `probe_features` (its linear probe and the cached features it trains on), `embed` with
+`embed_parts`, `embed_reader` and `embed_writer` (a collection's embeddings in clip-retrieval's layout). The command
+lines are `python -m clip_jax.zeroshot`, `python -m clip_jax.benchmark` (`benchmark_cli`, CLIP_benchmark's flags)
+and `python -m clip_jax.embed`.
 """
 
 from clip_jax.evaluation.benchmark import evaluate_benchmark
