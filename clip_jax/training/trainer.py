@@ -311,7 +311,7 @@ class Trainer:
             if len(results) > 1:
                 self.outputs.record(self.step, {k: v for k, v in results.items() if k != "step"})
             self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
-                f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_"))))
+                f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_", "lp_"))))
             return results
         finally:
             if stop is not self.stop:
