@@ -105,10 +105,11 @@ def test_the_command_sweeps_alpha_and_exports_the_chosen_model_with_its_head(fas
     np.testing.assert_array_equal(params["token_embedding"]["embedding"], before["token_embedding"]["embedding"])
     assert not np.array_equal(params["visual"]["proj"], before["visual"]["proj"])
     images, labels = fashion_mnist.load("test")
+    encode_image = jax.jit(lambda params, batch: model.apply({"params": params}, batch, method="encode_image"))
     for shifted, column in ((False, "test_acc1"), (True, "shift_acc1")):
         batch = np.stack([transform(Image.fromarray(255 - images[i] if shifted else images[i]))
                           for i in range(NUM_TEST)])
-        features = model.apply({"params": params}, batch, method="encode_image")
+        features = encode_image(params, batch)
         predicted = np.argmax(np.asarray(features) @ head["weights"] + head["bias"], axis=1)
         assert np.mean(predicted == labels[:NUM_TEST]) == pytest.approx(table["rows"][1][column], abs=1.5 / NUM_TEST)
 
