@@ -122,6 +122,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.zeroshot_data = ""
     c.zeroshot_frequency = 1  # evaluate every this many epochs (0: only at the end), when zeroshot_data is set
     c.zeroshot_samples = 0  # evaluate on the first N images only (0: all)
+    # A linear probe of the image features (CLIP_benchmark's `linear_probe` task: lp_acc1, lp_acc5,
+    # lp_mean_per_class_recall): a classification dataset in CLIP_benchmark's webdataset layout with `train` and
+    # `test` splits (its weight decay searched on a fifth of train), or ""
+    c.linear_probe_data = ""
+    c.linear_probe_frequency = 1  # probe every this many epochs (0: only at the end), when linear_probe_data is set
 
     # Metrics.
     # tensorboard | wandb | tensorboard,wandb | none (the console always gets progress lines)

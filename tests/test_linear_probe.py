@@ -60,11 +60,12 @@ def shards(fashion_mnist_shards):
 
 
 @pytest.fixture(scope="module")
-def run(shards, tmp_path_factory):
-    """The trainer tests' model briefly trained (3 epochs of 2,048 Fashion-MNIST images): its run directory and
-    its export, which OpenCLIP loads."""
+def run(shards, fashion, tmp_path_factory):
+    """The trainer tests' model briefly trained (3 epochs of 2,048 Fashion-MNIST images, a linear probe on `fashion`
+    after epoch 2 and at the end): its run directory and its export, which OpenCLIP loads."""
     logs = tmp_path_factory.mktemp("logs")
-    train_lib.train(tiny_config(shards, logs, epochs=3))
+    train_lib.train(tiny_config(shards, logs, epochs=3, linear_probe_data=str(fashion["root"]),
+                                linear_probe_frequency=2))
     folder = logs / "tiny-export"
     export_lib.export(str(logs / "run"), str(folder))
     return logs / "run", folder
@@ -185,6 +186,44 @@ def test_zero_shot_tasks_write_the_records_of_zeroshot_benchmark(export, fashion
     with open(tmp_path / "benchmark.csv") as f:
         (row,) = csv.DictReader(f)
     assert row["task"] == "zeroshot_classification" and float(row["acc1"]) == ours["metrics"]["acc1"]
+
+
+@pytest.mark.slow
+def test_the_trainer_logs_the_probe_of_benchmark_eval_beside_its_other_metrics(run, fashion, tmp_path):
+    """`linear_probe_data`: probed after epoch 2 of 3 (`linear_probe_frequency=2`) and at the end, each a record of
+    metrics.jsonl; the last one is what `benchmark eval --task linear_probe` (CLIP_benchmark's defaults) says of
+    the run's final checkpoint."""
+    records = [json.loads(line) for line in (run[0] / "metrics.jsonl").read_text().splitlines()]
+    probes = [r for r in records if "lp_acc1" in r]
+    assert [r["step"] for r in probes] == [64, 96]
+    assert all(sorted(k for k in r if k != "step") == ["lp_acc1", "lp_acc5", "lp_mean_per_class_recall"]
+               for r in probes)
+    assert _eval(run[0], fashion, tmp_path, "--task", "linear_probe", "--feature_root", str(tmp_path / "f")) == 0
+    (path,) = tmp_path.glob("*.json")
+    theirs = json.loads(path.read_text())["metrics"]
+    assert theirs["lp_acc1"] > 0.3  # well above chance (0.1)
+    for name, value in theirs.items():  # features encoded in batches of other sizes: a test image may flip
+        assert abs(probes[-1][name] - value) <= 0.01, (name, probes[-1], theirs)
+
+
+def test_a_linear_probe_folder_that_is_missing_or_has_no_train_split_is_one_config_line(fashion, tmp_path):
+    from clip_jax.training.config_checks import check_config
+
+    config = tiny_config(("/data/{0..1}.tar", "ViT-B-32"), tmp_path, linear_probe_data=str(tmp_path / "nowhere"))
+    with pytest.raises(InvalidInput, match=r"^bad config: linear_probe_data='.*nowhere' does not exist: give a "
+                                           r"CLIP_benchmark classification dataset folder with train and test splits$"):
+        check_config(config, num_devices=8)
+    test_only = tmp_path / "test-only"
+    test_only.mkdir()
+    for name in ("classnames.txt", "zeroshot_classification_templates.txt"):
+        (test_only / name).write_text((fashion["root"] / name).read_text())
+    (test_only / "test").symlink_to(fashion["root"] / "test")
+    config.linear_probe_data = str(test_only)
+    with pytest.raises(InvalidInput) as error:
+        check_config(config, num_devices=8)
+    assert str(error.value).count("\n") == 0
+    assert "linear_probe_data='" in str(error.value) and "needs a 'train' split the probe trains on" in str(
+        error.value) and "train/nshards.txt" in str(error.value)
 
 
 def test_skip_existing_leaves_a_result_alone(export, fashion, tmp_path, capsys):

@@ -94,14 +94,14 @@ class RunCheckpoints:
         storage_faults.quiet_orbax_out_of_space(True)
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
-        """Starts saving (returns before the write finishes); a step already saved is skipped."""
+        """Starts saving (returns before the write finishes); a step already saved is skipped. `data_iterator`
+        None: a run whose data position is a function of the step alone saves none."""
         if step in self._manager.all_steps():
             return False
-        args = ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(state),
-            DATA_ITER: grain.checkpoint.CheckpointSave(data_iterator),
-            META: ocp.args.JsonSave(meta.to_json()),
-        })
+        items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta.to_json())}
+        if data_iterator is not None:
+            items[DATA_ITER] = grain.checkpoint.CheckpointSave(data_iterator)
+        args = ocp.args.Composite(**items)
         self.wait()  # the previous save first (Orbax would wait for it too): a failure names the right step
         with self._storage_failure_told(step):
             started = self._manager.save(step, args=args, force=force)

@@ -45,7 +45,8 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
-                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency"):
+                  "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency",
+                  "linear_probe_frequency"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     force = c.force_patch_dropout  # None, like -1: the model's
@@ -88,10 +89,29 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                 clip_benchmark.check_training_layout(c.zeroshot_data)
             except UserError as e:
                 problems.append(f"zeroshot_data={c.zeroshot_data!r}: {e}")
+    problems += linear_probe_problems(c)
     problems += data_problems(c)
     if problems:  # one line for one problem, else a line for each
         raise InvalidInput("bad config: " + problems[0] if len(problems) == 1 else
                            "bad config:\n  " + "\n  ".join(problems))
+
+
+def linear_probe_problems(c: ml_collections.ConfigDict) -> list[str]:
+    """`linear_probe_data`: a CLIP_benchmark classification folder with a `train` and a `test` split."""
+    if not c.linear_probe_data:
+        return []
+    if not os.path.isdir(c.linear_probe_data):
+        return [f"linear_probe_data={c.linear_probe_data!r} does not exist: give a CLIP_benchmark classification "
+                "dataset folder with train and test splits"]
+    from clip_jax.evaluation import clip_benchmark
+
+    for split in ("train", "test"):
+        try:
+            clip_benchmark.check_training_layout(c.linear_probe_data, split)
+        except UserError as e:
+            return [f"linear_probe_data={c.linear_probe_data!r} needs a {split!r} split the probe "
+                    f"{'trains' if split == 'train' else 'is scored'} on: {e}"]
+    return []
 
 
 def data_problems(c: ml_collections.ConfigDict) -> list[str]:

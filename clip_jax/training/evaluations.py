@@ -1,10 +1,16 @@
-"""The evaluations a run makes as it trains: zero-shot classification (`zeroshot_data`) and validation (`val_data`).
+"""The evaluations a run makes as it trains: zero-shot classification (`zeroshot_data`), validation (`val_data`) and
+a linear probe (`linear_probe_data`).
 
 One rule says when each is due (`epoch_due`): at the end of every `frequency`-th epoch, but not at the run's last
-step, after which the loop runs all of them once (`final`). Both evaluate the current params (with a ResNet image
+step, after which the loop runs all of them once (`final`). Each evaluates the current params (with a ResNet image
 tower's running statistics) in fp32 compute, on the run's model at its image size, over the trainer's mesh; every
 process gets the same numbers. A stop signal cuts an evaluation short within one batch (`runtime.cut_short`);
 the run resumed from that step's checkpoint makes the evaluations its metrics lack first (`owed`).
+
+The linear probe is CLIP_benchmark's `linear_probe` task with its defaults (`evaluation.linear_probe`): the image
+features of the dataset's `train` split (encoded on the mesh), a linear classifier fitted on them on the host (its
+weight decay searched on a stratified fifth, then refit on all of train), scored on the `test` split as `lp_acc1`,
+`lp_acc5` and `lp_mean_per_class_recall`; every process fits the same classifier from the same features.
 """
 
 import functools
@@ -17,8 +23,10 @@ from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.interop.pretrained import model_at_image_size
 from clip_jax.models import create_model
 
-ZEROSHOT, VALIDATION = "zeroshot", "validation"
-RESULT_PREFIX = {ZEROSHOT: "zeroshot_", VALIDATION: "val_"}  # of the metric names each evaluation records
+ZEROSHOT, VALIDATION, LINEAR_PROBE = "zeroshot", "validation", "linear_probe"
+# of the metric names each evaluation records
+RESULT_PREFIX = {ZEROSHOT: "zeroshot_", VALIDATION: "val_", LINEAR_PROBE: "lp_"}
+PROBE_VAL_PROPORTION = 0.2  # the share of the train split the probe's weight decay is searched on
 
 
 def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:
@@ -67,22 +75,25 @@ class Evaluations:
     @property
     def names(self) -> tuple[str, ...]:
         """The evaluations this run makes."""
-        return ((ZEROSHOT,) if self.config.zeroshot_data else ()) + ((VALIDATION,) if self.val_set is not None else ())
+        return (((ZEROSHOT,) if self.config.zeroshot_data else ()) + ((VALIDATION,) if self.val_set is not None else ())
+                + ((LINEAR_PROBE,) if self.config.linear_probe_data else ()))
 
     def due(self, step: int) -> tuple[str, ...]:
         """The evaluations due after `step`."""
-        frequency = {ZEROSHOT: self.config.zeroshot_frequency, VALIDATION: self.config.val_frequency}
+        frequency = {ZEROSHOT: self.config.zeroshot_frequency, VALIDATION: self.config.val_frequency,
+                     LINEAR_PROBE: self.config.linear_probe_frequency}
         return tuple(name for name in self.names
                      if epoch_due(step, self.steps_per_epoch, frequency[name], self.total_steps))
 
     def run(self, names, weights, step: int) -> dict[str, float]:
-        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, ... of `weights` (params, or a ResNet's eval variables). Cut
-        short by a stop signal inside `cut_short.cut_short_when`: `CutShort.done` holds the results of
-        the evaluations that finished."""
+        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, `lp_*` of `weights` (params, or a ResNet's eval variables).
+        Cut short by a stop signal inside `cut_short.cut_short_when`: `CutShort.done` holds the results of the
+        evaluations that finished."""
         results = {}
         try:
             for name in names:
-                results.update(self.zeroshot(weights, step) if name == ZEROSHOT else self.validate(weights, step))
+                evaluate = {ZEROSHOT: self.zeroshot, VALIDATION: self.validate, LINEAR_PROBE: self.linear_probe}[name]
+                results.update(evaluate(weights, step))
         except CutShort as cut:
             cut.done = results
             raise
@@ -147,3 +158,27 @@ class Evaluations:
         self.say(f"validation on {metrics['num_images']} images at step {step}: " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
+
+    @functools.cached_property
+    def probe_sets(self):
+        """(train, test) `BenchmarkDataset`s of `linear_probe_data`, scanned at the first probe."""
+        from clip_jax.evaluation import clip_benchmark
+
+        root = self.config.linear_probe_data
+        return tuple(clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split))
+                     for split in ("train", "test"))
+
+    def linear_probe(self, weights, step: int) -> dict[str, float]:
+        """CLIP_benchmark's linear probe of the image features under `weights` (see the module docstring)."""
+        from clip_jax.evaluation.benchmark import evaluate_linear_probe
+        from clip_jax.evaluation.linear_probe import ProbeOptions
+
+        c = self.config
+        train, test = self.probe_sets
+        result = evaluate_linear_probe(self.val_model, weights, train, test, self.mesh,
+                                       val_proportion=PROBE_VAL_PROPORTION, options=ProbeOptions(seed=c.seed),
+                                       mean=tuple(c.image_mean), std=tuple(c.image_std))
+        self.say(f"linear probe on {test.name} ({result.num_train} train images, weight decay "
+                 f"{result.weight_decay:.3g}) at step {step}: " +
+                 ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()))
+        return dict(result.metrics)

@@ -324,7 +324,7 @@ class Trainer:
                 return {"stopped_at": self.step}
             results = {"step": self.step, **final}
             self._say(f"done: {self.step} steps in {self.run_dir}" + "".join(
-                f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_"))))
+                f", {k} {v:.4f}" for k, v in results.items() if k.startswith(("zeroshot", "val_", "lp_"))))
             return results
         finally:
             if stop is not self.stop:
