@@ -57,6 +57,8 @@ def hf_unsupported(config: CLIPConfig) -> str | None:
         "its text tower is not causal (no_causal_mask)" if t.no_causal_mask else None,
         f"its text tower pools {t.pool_type!r} (CLIPModel: the end-of-text token)"
         if t.pool_type not in ("argmax", "eos") else None,
+        "its text tower pools token id 2, which CLIPModel reads as the largest id"
+        if t.pool_type == "eos" and t.eos_id == 2 else None,
         f"its text projection is not a plain matrix (proj_type {t.proj_type!r}, proj_bias {t.proj_bias})"
         if t.proj_type != "linear" or t.proj_bias else None,
         f"its text vocabulary has {t.vocab_size} tokens, not the {VOCAB_SIZE} of the tokenizer the folder ships"

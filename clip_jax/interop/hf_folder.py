@@ -89,15 +89,16 @@ def read_hf_state_dict(folder: str, config: CLIPConfig) -> dict:
     return from_hf_state_dict(read_arrays(weights), config, weights)
 
 
-def _tokenizer_files() -> dict[str, str]:
-    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.tokenizer`)."""
-    from clip_jax.tokenizer import CONTEXT_LENGTH, bpe_vocabulary
+def _tokenizer_files(context_length: int) -> dict[str, str]:
+    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.tokenizer`), cutting text to
+    `context_length` tokens."""
+    from clip_jax.tokenizer import bpe_vocabulary
 
     tokens, merges = bpe_vocabulary()
     vocab = {{"<start_of_text>": _SOT, "<end_of_text>": _EOT}.get(token, token): i for i, token in enumerate(tokens)}
     special = {"bos_token": _SOT, "eos_token": _EOT, "unk_token": _EOT, "pad_token": _EOT}
     config = {"tokenizer_class": "CLIPTokenizer", "processor_class": "CLIPProcessor",
-              "model_max_length": CONTEXT_LENGTH, "do_lower_case": True, "errors": "replace",
+              "model_max_length": int(context_length), "do_lower_case": True, "errors": "replace",
               "add_prefix_space": False, **special}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
             "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
@@ -123,7 +124,7 @@ def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, s
 
     texts = {CONFIG: json.dumps(hf_config(config), indent=2) + "\n",
              PREPROCESSOR: json.dumps(preprocessor_config(config.vision.image_size, mean, std), indent=2) + "\n",
-             **_tokenizer_files()}
+             **_tokenizer_files(config.text.context_length)}
     write_safetensors(os.path.join(folder, WEIGHTS[0]), to_hf_state_dict(state_dict, config), {"format": "pt"})
     for name, text in texts.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
