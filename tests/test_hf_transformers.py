@@ -250,3 +250,32 @@ def test_an_export_never_replaces_a_transformers_file_of_someone_elses(tmp_path,
     assert export.main([str(source), str(out), "--model", str(model_json), "--no-transformers"]) == 0
     assert (out / "config.json").read_bytes() == before["config.json"]
     assert ownership.foreign_names(str(out)) == ["config.json"]
+
+
+def test_openais_config_layout_reads_as_the_quickgelu_model_it_is(tmp_path):
+    """openai/clip-vit-large-patch14's config.json, as older transformers wrote it: every field dumped, the legacy
+    `*_config_dict` beside `*_config`, token ids bos 0 / eos 2 / pad 1 (eos 2 makes CLIPModel pool the largest id)."""
+    generation = {"id2label": {"0": "LABEL_0"}, "max_length": 20, "dropout": 0.0, "attention_dropout": 0.0,
+                  "initializer_range": 0.02, "initializer_factor": 1.0}
+    text = {"model_type": "clip_text_model", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
+            "num_hidden_layers": 12, "max_position_embeddings": 77, "vocab_size": 49408, "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-05, "projection_dim": 768, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
+            **generation}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096, "image_size": 224,
+              "patch_size": 14, "num_attention_heads": 16, "num_hidden_layers": 24, "hidden_act": "quick_gelu",
+              "layer_norm_eps": 1e-05, "projection_dim": 768, "num_channels": 3, **generation}
+    folder = tmp_path / "clip-vit-large-patch14"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "_name_or_path": "openai/clip-vit-large-patch14", "architectures": ["CLIPModel"], "model_type": "clip",
+        "initializer_factor": 1.0, "logit_scale_init_value": 2.6592, "projection_dim": 768,
+        "text_config": text, "text_config_dict": {"hidden_size": 768, "intermediate_size": 3072},
+        "vision_config": vision, "vision_config_dict": {"hidden_size": 1024, "patch_size": 14},
+        "torch_dtype": "float32", "transformers_version": "4.16.0.dev0"}))
+    expected = dataclasses.replace(get_model_config("ViT-L-14-quickgelu"), name="clip-vit-large-patch14")
+    assert export_model_config(str(folder)) == expected
+    with pytest.raises(InvalidInput, match=r"holds another model than ViT-L-14 \(its config.json: quick_gelu True "
+                                           r"\(not False\)\): leave the model out"):
+        load_pretrained_variables(str(folder), "ViT-L-14")
+    with pytest.raises(FileNotFoundError, match="no model weights in .*clip-vit-large-patch14: a transformers"):
+        load_pretrained_variables(str(folder), "ViT-L-14-quickgelu")  # the model matches; the weights are not there
