@@ -43,6 +43,7 @@ def _export(tmp_path, open_clip_cfg, seed):
     return folder, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", [{}, {"quick_gelu": True}])
 def test_an_export_loads_in_transformers_with_open_clips_tokens_and_features(tmp_path, activation):
     cfg = {**TINY_77, **activation}
@@ -150,6 +151,7 @@ def _hf_features(model, pixels, tokens):
     return (image / np.linalg.norm(image, axis=-1, keepdims=True), text / np.linalg.norm(text, axis=-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_a_transformers_folder_is_a_checkpoint_with_its_model_and_preprocessing(hf_model):
     folder, reference = hf_model
     model, params, _, eval_transform = clip_jax.create_model_and_transforms(None, pretrained=str(folder))
@@ -212,6 +214,7 @@ def test_a_transformers_folder_of_another_model_or_with_damaged_weights_gets_one
         clip_jax.create_model_and_transforms(None, pretrained=str(other))
 
 
+@pytest.mark.slow
 def test_a_model_transformers_cannot_hold_is_exported_for_open_clip_alone(tmp_path, capsys):
     """A SigLIP head has a logit_bias CLIPModel lacks: OpenCLIP's files are written, transformers' are not, and
     those an earlier export of clip_jax's left there (of another model) are removed; a file of someone else's

@@ -13,7 +13,7 @@ import json
 import os
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.interop.hf_clip import MODEL_TYPE, config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
+from clip_jax.interop.hf_clip import config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
 from clip_jax.models.config import CLIPConfig
 
 CONFIG = "config.json"
