@@ -1,4 +1,5 @@
-"""Export a model as the folder OpenCLIP and transformers load: `python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
+"""Export a model as the folder OpenCLIP and transformers load:
+`python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
 
     python -m clip_jax.export logs/my-run exported/        # the run's newest checkpoint
     python -m clip_jax.export logs/my-run exported/ --step 4000

@@ -5,10 +5,11 @@
     tokenizer = clip_jax.get_tokenizer("ViT-L-14")
 
 `name_or_config` is a registered name, an OpenCLIP model-config dict or .json, a `CLIPConfig`, or
-`"local-dir:FOLDER"` for an exported folder, OpenCLIP's or transformers' (its model, weights and preprocessing). The transforms are clip_jax's
-own (`clip_jax.data.transforms`), equal pixel for pixel to OpenCLIP's: they take a PIL image and return float32
-[size, size, 3] (NHWC, normalised). The mean and std come from the pretrained weights where they say (an exported
-folder's `preprocess_cfg` or image processor, a run's config), else OpenAI's, as OpenCLIP's defaults.
+`"local-dir:FOLDER"` for an exported folder, OpenCLIP's or transformers' (its model, weights and
+preprocessing). The transforms are clip_jax's own (`clip_jax.data.transforms`), equal pixel for pixel to
+OpenCLIP's: they take a PIL image and return float32 [size, size, 3] (NHWC, normalised). The mean and std come from
+the pretrained weights where they say (an exported folder's `preprocess_cfg` or image processor, a run's config),
+else OpenAI's, as OpenCLIP's defaults.
 """
 
 import functools
