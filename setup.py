@@ -63,6 +63,9 @@ setup(
             # (its missing-package message and the same commit scheme), as no local GCS server is on PyPI.
             "s3fs>=2024.2",
             "moto[server]>=5.0",
+            # An export's transformers files are loaded by transformers' own CLIPModel and CLIPProcessor, and a
+            # folder transformers wrote is read back (the export itself needs neither transformers nor torch).
+            "transformers>=5",
         ],
         # Benchmarks only: benchmarks/instability_lab.py plots its loss curves.
         "bench": ["matplotlib>=3.8"],

@@ -1,4 +1,4 @@
-"""Export a model as the folder OpenCLIP loads: `python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
+"""Export a model as the folder OpenCLIP and transformers load: `python -m clip_jax.export RUN_DIR OUT_DIR`.
 
 The command line of `clip_jax.interop.export`, where its options are described."""
 

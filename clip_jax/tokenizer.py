@@ -157,6 +157,16 @@ def _chunk_table() -> _ChunkTable:
 
 def _byte_pair_encoder() -> tokenizers.Tokenizer:
     """HF `tokenizers` BPE over CLIP's byte alphabet with its `</w>` word ends; one word per input item."""
+    tokens, merges = bpe_vocabulary()
+    vocab = {token: i for i, token in enumerate(tokens)}  # a repeated token keeps its last id, as in OpenCLIP
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return bpe
+
+
+def bpe_vocabulary() -> tuple[list[str], list[tuple[str, str]]]:
+    """(tokens, merges): the token of each id, 0 to VOCAB_SIZE - 1 (the last two `<start_of_text>`,
+    `<end_of_text>`), and the merges in the order they apply, from the vocabulary file shipped with clip_jax."""
     vocab_text = gzip.decompress(importlib.resources.files("clip_jax").joinpath(VOCAB_FILE).read_bytes())
     lines = vocab_text.decode("utf-8").split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 1 + NUM_MERGES]]
@@ -164,10 +174,7 @@ def _byte_pair_encoder() -> tokenizers.Tokenizer:
         raise RuntimeError(f"{VOCAB_FILE} in the clip_jax package is damaged: expected {NUM_MERGES} merges")
     alphabet = _byte_alphabet()
     tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges] + list(_SPECIAL_WORDS)
-    vocab = {token: i for i, token in enumerate(tokens)}  # a repeated token keeps its last id, as in OpenCLIP
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, end_of_word_suffix="</w>"))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return bpe
+    return tokens, merges
 
 
 def _byte_alphabet() -> list[str]:

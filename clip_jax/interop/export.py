@@ -1,4 +1,5 @@
-"""Export a model as the folder OpenCLIP loads: `python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
+"""Export a model as the folder OpenCLIP and transformers load:
+`python -m clip_jax.export RUN_DIR_OR_CHECKPOINT OUT_DIR`.
 
     python -m clip_jax.export logs/my-run exported/        # the run's newest checkpoint
     python -m clip_jax.export logs/my-run exported/ --step 4000
@@ -10,6 +11,12 @@ OUT_DIR gets `open_clip_config.json` (`model_cfg`: the architecture in OpenCLIP'
 OpenCLIP state_dict, float32). Then `open_clip.create_model_and_transforms("local-dir:OUT_DIR")` builds the model
 with its weights and the preprocessing the run trained with, and clip_jax takes OUT_DIR wherever it takes a
 checkpoint. From a run, the model and the mean/std come from the run's `config.json`.
+
+Beside them, as LAION's published models do, the same model in transformers' layout (`clip_jax.interop.hf_folder`:
+`config.json`, `model.safetensors`, `preprocessor_config.json` and the tokenizer's files), which
+`transformers.CLIPModel.from_pretrained(OUT_DIR)` and `CLIPProcessor.from_pretrained(OUT_DIR)` load. A model
+transformers' CLIPModel cannot hold (a ResNet image tower, OpenCLIP's custom-block options, a SigLIP logit_bias,
+...) gets OpenCLIP's files only and a one-line note saying why; `--no-transformers` leaves them out.
 """
 
 import argparse
@@ -18,6 +25,8 @@ import os
 import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.interop import hf_folder
+from clip_jax.interop.hf_clip import hf_unsupported
 from clip_jax.interop.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained_variables,
                                          read_run_config, run_directory, run_model_config)
 from clip_jax.models.config import CLIPConfig
@@ -43,17 +52,20 @@ def trained_model(run_config) -> CLIPConfig:
         raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
 
 
-def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> None:
+def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, transformers: bool = True) -> str | None:
     """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed; other files in it are
-    left alone, and its two files are refused when clip_jax did not write them). A ResNet image tower's
-    are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's running_mean, running_var
-    and num_batches_tracked."""
+    left alone, and its files are refused when clip_jax did not write them), and, with `transformers`, as a
+    transformers CLIPModel folder too. Returns why the transformers files were not written (None when they were).
+    A ResNet image tower's are its variables (`params` and `batch_stats`): the state_dict gets each BatchNorm's
+    running_mean, running_var and num_batches_tracked."""
     from clip_jax.interop.convert import variables_to_open_clip
     from clip_jax.interop.weight_files import write_open_clip
     from clip_jax.models.variables import as_variables
 
     state_dict = variables_to_open_clip(as_variables(params), model)
-    ownership.claim(out_dir, [EXPORT_WEIGHTS, EXPORT_CONFIG], writing="the export",
+    skipped = "--no-transformers" if not transformers else hf_unsupported(model)
+    names = [EXPORT_WEIGHTS, EXPORT_CONFIG] + ([] if skipped else list(hf_folder.HF_FILES))
+    ownership.claim(out_dir, names, writing="the export",
                     change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
     config = {"model_cfg": open_clip_model_cfg(model),
@@ -61,12 +73,27 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std) -> N
     with open(os.path.join(out_dir, EXPORT_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+    if skipped:
+        _remove_earlier_hf_files(out_dir)
+    else:
+        hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std)
+    return skipped
 
 
-def export(source: str, out_dir: str, *, model=None, step: int | None = None, mean=None, std=None) -> CLIPConfig:
+def _remove_earlier_hf_files(out_dir: str) -> None:
+    """An earlier export's transformers files in `out_dir` (clip_jax's only) would describe another model."""
+    owned = ownership.owned_names(out_dir)
+    for name in hf_folder.HF_FILES:
+        if name in owned and os.path.isfile(os.path.join(out_dir, name)):
+            ownership.remove(out_dir, name)
+
+
+def export(source: str, out_dir: str, *, model=None, step: int | None = None, mean=None, std=None,
+           transformers: bool = True) -> tuple[CLIPConfig, str | None]:
     """Exports `source` (a run directory or checkpoint, an OpenCLIP or clip_jax weights file, or an exported folder)
-    to `out_dir`; returns the exported model's config. `model`, `mean`, `std` replace what the run says (and are
-    needed for a bare weights file: without them, OpenAI's mean and std)."""
+    to `out_dir`; returns the exported model's config and why transformers' files were not written (None when they
+    were). `model`, `mean`, `std` replace what the run says (and are needed for a bare weights file: without them,
+    OpenAI's mean and std)."""
     if not os.path.exists(source):
         raise MissingInput(f"{source} does not exist")
     run_dir = run_directory(source) if os.path.isdir(source) and not is_export_folder(source) else None
@@ -80,10 +107,10 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
             if not os.path.isdir(source):
                 raise MissingInput(f"no checkpoint of step {step}: {source} does not exist")
     elif os.path.isdir(source) and is_export_folder(source):
-        from clip_jax.interop.pretrained import export_model_config, read_export_config
+        from clip_jax.interop.pretrained import export_model_config, folder_preprocessing
 
         config = get_model_config(model) if model is not None else export_model_config(source)
-        saved = read_export_config(source)[1]
+        saved = folder_preprocessing(source)
         mean = saved.get("mean", OPENAI_MEAN) if mean is None else mean
         std = saved.get("std", OPENAI_STD) if std is None else std
     else:
@@ -95,28 +122,36 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     mean, std = tuple(OPENAI_MEAN if mean is None else mean), tuple(OPENAI_STD if std is None else std)
     if len(mean) != 3 or len(std) != 3:
         raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
-    export_open_clip(load_pretrained_variables(source, config), config, out_dir, mean=mean, std=std)
-    return config
+    skipped = export_open_clip(load_pretrained_variables(source, config), config, out_dir, mean=mean, std=std,
+                               transformers=transformers)
+    return config, skipped
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run directory, its checkpoints/STEP folder, an OpenCLIP checkpoint or "
                         "clip_jax params file, or an exported folder")
-    parser.add_argument("out_dir", help="folder to write open_clip_config.json and open_clip_model.safetensors to")
+    parser.add_argument("out_dir", help="folder to write OpenCLIP's files (open_clip_config.json, "
+                        "open_clip_model.safetensors) and transformers' (config.json, model.safetensors, ...) to")
     parser.add_argument("--step", type=int, help="the run's checkpoint of this step (default: the newest)")
     parser.add_argument("--model", help="model name or OpenCLIP model-config .json (default: the run's)")
     parser.add_argument("--mean", type=float, nargs=3, help="image mean (default: the run's)")
     parser.add_argument("--std", type=float, nargs=3, help="image std (default: the run's)")
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
+                        help="write OpenCLIP's files only, not transformers' CLIPModel files")
     args = parser.parse_args(argv)
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
-        config = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean, std=args.std)
+        config, skipped = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean,
+                                 std=args.std, transformers=args.transformers)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    also = "" if skipped else f", or transformers.CLIPModel.from_pretrained('{args.out_dir}')"
     print(f"exported {args.source} ({config.name}, {config.vision.image_size} px) to {args.out_dir}: load it with "
-          f"open_clip.create_model_and_transforms('local-dir:{args.out_dir}')")
+          f"open_clip.create_model_and_transforms('local-dir:{args.out_dir}'){also}")
+    if skipped and args.transformers:
+        print(f"note: no transformers files: {config.name} has no CLIPModel counterpart, as {skipped}")
     return 0
 
 

@@ -5,10 +5,11 @@
     tokenizer = clip_jax.get_tokenizer("ViT-L-14")
 
 `name_or_config` is a registered name, an OpenCLIP model-config dict or .json, a `CLIPConfig`, or
-`"local-dir:FOLDER"` for an exported folder (its model, weights and preprocessing). The transforms are clip_jax's
-own (`clip_jax.data.transforms`), equal pixel for pixel to OpenCLIP's: they take a PIL image and return float32
-[size, size, 3] (NHWC, normalised). The mean and std come from the pretrained weights where they say (an exported
-folder's `preprocess_cfg`, a run's config), else OpenAI's, as OpenCLIP's defaults.
+`"local-dir:FOLDER"` for an exported folder, OpenCLIP's or transformers' (its model, weights and
+preprocessing). The transforms are clip_jax's own (`clip_jax.data.transforms`), equal pixel for pixel to
+OpenCLIP's: they take a PIL image and return float32 [size, size, 3] (NHWC, normalised). The mean and std come from
+the pretrained weights where they say (an exported folder's `preprocess_cfg` or image processor, a run's config),
+else OpenAI's, as OpenCLIP's defaults.
 """
 
 import functools
@@ -52,17 +53,12 @@ def _rgb(image):
 
 def saved_preprocessing(pretrained: str | None) -> dict:
     """The mean/std (and, for a folder, interpolation and resize mode) the pretrained weights were trained with."""
-    from clip_jax.interop.pretrained import is_export_folder, read_export_config, read_run_config, run_directory
+    from clip_jax.interop.pretrained import folder_preprocessing, is_export_folder, read_run_config, run_directory
 
     if pretrained is None or not os.path.isdir(pretrained):
         return {}
     if is_export_folder(pretrained):
-        saved = read_export_config(pretrained)[1]
-        for key, ours in (("interpolation", "bicubic"), ("resize_mode", "shortest")):
-            if saved.get(key, ours) != ours:
-                raise InvalidInput(f"{pretrained}: preprocess_cfg {key}={saved[key]!r}; clip_jax's transforms do "
-                                   f"{key} {ours!r} only")
-        return {k: saved[k] for k in ("mean", "std") if k in saved}
+        return folder_preprocessing(pretrained)
     if run_directory(pretrained) is not None:
         run_config = read_run_config(pretrained)
         return {"mean": tuple(run_config.image_mean), "std": tuple(run_config.image_std)}

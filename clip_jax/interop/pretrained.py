@@ -6,6 +6,9 @@
 - a clip_jax params (or variables) file (`.npz` written by `clip_jax.convert`);
 - an exported model folder (`open_clip_config.json` + `open_clip_model.safetensors`, what `python -m clip_jax.export`
   writes and OpenCLIP loads as `local-dir:PATH`);
+- a Hugging Face transformers CLIPModel folder (`config.json` with `model_type: clip`, `model.safetensors` or
+  `pytorch_model.bin`, as `openai/clip-vit-large-patch14`), its model read from its `config.json`; a folder holding
+  both layouts (an export of clip_jax's) is read as OpenCLIP's;
 - a clip_jax run directory (its newest checkpoint), its `checkpoints` folder, or one `checkpoints/STEP` folder.
 
 The weights are fitted to the model as OpenCLIP fits a checkpoint on load: a vision positional embedding made for
@@ -21,6 +24,7 @@ import os
 import numpy as np
 
 from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.interop import hf_folder
 from clip_jax.models.config import CLIPConfig, is_resnet, with_patch_dropout, with_siglip_head
 from clip_jax.models.open_clip_json import config_from_open_clip
 from clip_jax.models.registry import get_model_config
@@ -107,9 +111,16 @@ def _fitted_tree(params: dict, config: CLIPConfig) -> dict:
 
 
 def is_export_folder(path: str) -> bool:
-    """A folder holding an OpenCLIP model (its config or one of its weight files) rather than a clip_jax run."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name))
-                                       for name in (EXPORT_CONFIG,) + _FOLDER_WEIGHTS)
+    """A folder holding a model (OpenCLIP's config or one of its weight files, or a transformers model's
+    `config.json`) rather than a clip_jax run."""
+    return os.path.isdir(path) and (any(os.path.isfile(os.path.join(path, name))
+                                        for name in (EXPORT_CONFIG,) + _FOLDER_WEIGHTS) or hf_folder.is_hf_folder(path))
+
+
+def is_hf_model_folder(path: str) -> bool:
+    """A transformers model folder without OpenCLIP's config (which, when both are there, is read instead)."""
+    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, EXPORT_CONFIG))
+            and hf_folder.is_hf_folder(path))
 
 
 def read_export_config(folder: str) -> tuple[dict, dict]:
@@ -117,7 +128,8 @@ def read_export_config(folder: str) -> tuple[dict, dict]:
     path = os.path.join(folder, EXPORT_CONFIG)
     if not os.path.isfile(path):
         raise MissingInput(f"{path} is missing: an exported model folder holds {EXPORT_CONFIG} (the model and its "
-                           f"preprocessing) beside {EXPORT_WEIGHTS}; write both with python -m clip_jax.export")
+                           f"preprocessing) beside {EXPORT_WEIGHTS}, or is a transformers CLIPModel folder (its "
+                           f"{hf_folder.CONFIG}); write both with python -m clip_jax.export")
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -132,9 +144,50 @@ def read_export_config(folder: str) -> tuple[dict, dict]:
 
 
 def export_model_config(folder: str) -> CLIPConfig:
-    """The model an exported folder holds."""
+    """The model an exported folder (OpenCLIP's or transformers') holds."""
+    if is_hf_model_folder(folder):
+        return hf_folder.hf_model_config(folder)
     model_cfg, _ = read_export_config(folder)
     return config_from_open_clip(model_cfg, name=os.path.basename(os.path.normpath(folder)))
+
+
+def folder_preprocessing(folder: str) -> dict:
+    """The `mean` and `std` (those it says) an exported folder's model was trained with: OpenCLIP's
+    `preprocess_cfg`, or a transformers folder's image processor; preprocessing clip_jax's transforms do not do is
+    refused."""
+    if is_hf_model_folder(folder):
+        return hf_folder.hf_preprocessing(folder)
+    saved = read_export_config(folder)[1]
+    for key, ours in (("interpolation", "bicubic"), ("resize_mode", "shortest")):
+        if saved.get(key, ours) != ours:
+            raise InvalidInput(f"{folder}: preprocess_cfg {key}={saved[key]!r}; clip_jax's transforms do "
+                               f"{key} {ours!r} only")
+    return {k: tuple(saved[k]) for k in ("mean", "std") if k in saved}
+
+
+def _hf_recorded(c: CLIPConfig) -> dict:
+    """What a transformers `config.json` records of a ViT model, to compare with the model asked for (not the image
+    size: a checkpoint's positional embedding is resized to the model's, as for any pretrained start)."""
+    v, t = c.vision, c.text
+    return {"embed_dim": c.embed_dim, "quick_gelu": c.quick_gelu,
+            **{f"vision {k}": getattr(v, k) for k in ("patch_size", "width", "layers", "heads", "mlp_width")},
+            **{f"text {k}": getattr(t, k) for k in ("context_length", "vocab_size", "width", "heads", "layers",
+                                                    "mlp_width", "pool_type")},
+            **{f"{tower} {k}": getattr(getattr(c, tower).block, k) for tower in ("vision", "text")
+               for k in ("norm_eps", "gelu_approximate")}}
+
+
+def _check_hf_model(folder: str, held: CLIPConfig, wanted: CLIPConfig) -> None:
+    """Refuses, in one line naming the differences, a transformers folder whose model is not `wanted`."""
+    if is_resnet(wanted):
+        differences = [f"{wanted.name} has a ResNet image tower, the folder's model a ViT"]
+    else:
+        ours, theirs = _hf_recorded(held), _hf_recorded(wanted)
+        differences = [f"{what} {ours[what]} (not {theirs[what]})" for what in ours if ours[what] != theirs[what]]
+    if differences:
+        raise InvalidInput(f"{folder} holds another model than {wanted.name} (its {hf_folder.CONFIG}: "
+                           f"{', '.join(differences)}): leave the model out to use the folder's, or name the "
+                           "model it holds")
 
 
 def export_weights_file(folder: str) -> str:
@@ -191,6 +244,14 @@ def load_pretrained_variables(path: str, name_or_config) -> dict:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise MissingInput(f"pretrained weights {path} do not exist")
+    if is_hf_model_folder(path):
+        held = hf_folder.hf_model_config(path)
+        _check_hf_model(path, held, config)
+        state_dict = hf_folder.read_hf_state_dict(path, held)
+        try:
+            return variables_from_open_clip(_fitted_state_dict(state_dict, config), config)
+        except InvalidInput as e:
+            raise InvalidInput(f"pretrained weights {hf_folder.hf_weights_file(path)}: {e}") from None
     if os.path.isdir(path) and is_export_folder(path):
         read_export_config(path)  # an exported folder is whole: its config says how to preprocess
         weights = export_weights_file(path)

@@ -11,6 +11,7 @@ or `.pt` through torch). A file is replaced only when clip_jax wrote it (`clip_j
 """
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -102,9 +103,14 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
     if path.endswith((".pt", ".pth", ".bin")):
         return _torch_state_dict(path)
     if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        return load_file(path)
+        try:
+            return load_file(path)
+        except SafetensorError as e:
+            raise InvalidInput(f"{path} is not a readable safetensors file ({e}): it is damaged or cut short; "
+                               "download or export it again") from None
     if path.endswith(".npz"):
         with np.load(path) as f:
             return {k: f[k] for k in f.files}
@@ -122,9 +128,7 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
         raise InvalidInput(f"unknown output format {path}: expected .safetensors, .npz, .pt, .pth or .bin")
     _claim(path)
     if path.endswith(".safetensors"):
-        from safetensors.numpy import save_file
-
-        save_file(dict(state_dict), path)
+        write_safetensors(path, state_dict)
     elif path.endswith(".npz"):
         np.savez(path, **state_dict)
     else:
@@ -132,6 +136,33 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
         import torch
 
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "bfloat16": "BF16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+    """`arrays` as a `.safetensors` file, each array's bytes written straight from its buffer (no copy of the
+    whole state_dict in memory, as `safetensors.numpy.save_file` makes). The caller claims `path`."""
+    arrays = {name: np.asarray(value) for name, value in arrays.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, value in arrays.items():
+        if value.dtype.name not in _SAFETENSORS_DTYPES:
+            raise InvalidInput(f"{name}: dtype {value.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[value.dtype.name], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + value.nbytes]}
+        offset += value.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for value in arrays.values():
+            if value.dtype.byteorder == ">":
+                value = value.astype(value.dtype.newbyteorder("<"))
+            f.write(memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
 
 
 def main(argv=None) -> int:
