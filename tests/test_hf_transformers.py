@@ -282,3 +282,25 @@ def test_openais_config_layout_reads_as_the_quickgelu_model_it_is(tmp_path):
         load_pretrained_variables(str(folder), "ViT-L-14")
     with pytest.raises(FileNotFoundError, match="no model weights in .*clip-vit-large-patch14: a transformers"):
         load_pretrained_variables(str(folder), "ViT-L-14-quickgelu")  # the model matches; the weights are not there
+
+
+@pytest.mark.slow
+def test_embed_takes_a_transformers_folder_and_gives_its_features(hf_model, tmp_path):
+    from clip_jax.evaluation import embed
+
+    folder, reference = hf_model
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i, image in enumerate(_images(SIZES)):
+        image.save(photos / f"{i}.png")
+        (photos / f"{i}.txt").write_text(TEXTS[i])
+    out = tmp_path / "out"
+    assert embed.main(["--input_dataset", str(photos), "--output_folder", str(out), "--clip_model", str(folder)]) == 0
+    model, _, _, eval_transform = clip_jax.create_model_and_transforms(None, pretrained=str(folder))
+    pixels = np.stack([eval_transform(image) for image in _images(SIZES)])
+    expected_image, expected_text = _hf_features(reference, pixels, clip_jax.get_tokenizer(model.config)(TEXTS[:5]))
+    for got, expected in ((np.load(out / "img_emb" / "img_emb_0.npy"), expected_image),
+                          (np.load(out / "text_emb" / "text_emb_0.npy"), expected_text)):
+        assert got.dtype == np.float16 and got.shape == expected.shape
+        cosine = np.sum(got.astype(np.float32) * expected, axis=-1) / np.linalg.norm(got.astype(np.float32), axis=-1)
+        assert cosine.min() >= 0.999, cosine

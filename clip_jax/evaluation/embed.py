@@ -10,7 +10,8 @@ then the fields of the sample's `.json` with `--enable_metadata`), row for row; 
 and how they are numbered: `clip_jax.evaluation.embed_parts`.
 
 `--clip_model` (or `--pretrained`) is what clip_jax's other tools take as a model: an exported folder, a clip_jax
-run directory (its newest checkpoint), or an OpenCLIP checkpoint file with `--model NAME`. The batch is split over
+run directory (its newest checkpoint), a transformers CLIPModel folder, or an OpenCLIP checkpoint file with
+`--model NAME`. The batch is split over
 this process's devices; in a multi-process run (SLURM, or `CLIP_JAX_*` variables: `clip_jax.runtime.processes`)
 each process writes its own parts. A run continues a folder that a killed run left: the parts already written are
 kept. Bad samples are skipped and counted by reason, as in training.
@@ -51,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_folder", required=True)
     parser.add_argument("--input_format", default="files", help="files or webdataset")
     parser.add_argument("--clip_model", "--pretrained", dest="clip_model", required=True,
-                        help="an exported model folder, a clip_jax run directory or an OpenCLIP checkpoint")
+                        help="an exported model folder, a clip_jax run directory, a transformers CLIPModel folder or "
+                             "an OpenCLIP checkpoint")
     parser.add_argument("--model", help="the model of an OpenCLIP checkpoint file (a name or model-config .json)")
     for name, default in (("enable_text", True), ("enable_image", True), ("enable_metadata", False)):
         parser.add_argument(f"--{name}", type=_flag_bool, nargs="?", const=True, default=default,
@@ -73,7 +75,7 @@ def load_model(clip_model: str, model_name: str | None):
 
     if not os.path.exists(clip_model):
         raise MissingInput(f"--clip_model {clip_model} does not exist: give an exported model folder, a clip_jax run "
-                           "directory, or an OpenCLIP checkpoint file with --model NAME")
+                           "directory, a transformers CLIPModel folder, or an OpenCLIP checkpoint file with --model NAME")
     try:
         model, params, _, eval_transform = create_model_and_transforms(model_name, pretrained=clip_model)
     except InvalidInput as e:
