@@ -75,7 +75,8 @@ def load_model(clip_model: str, model_name: str | None):
 
     if not os.path.exists(clip_model):
         raise MissingInput(f"--clip_model {clip_model} does not exist: give an exported model folder, a clip_jax run "
-                           "directory, a transformers CLIPModel folder, or an OpenCLIP checkpoint file with --model NAME")
+                           "directory, a transformers CLIPModel folder, or an OpenCLIP checkpoint file with "
+                           "--model NAME")
     try:
         model, params, _, eval_transform = create_model_and_transforms(model_name, pretrained=clip_model)
     except InvalidInput as e:
