@@ -24,7 +24,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test,gpu]'
 # LAION's clip-benchmark, for the agreement test (tests/test_clip_benchmark.py), without its dependencies: what the
 # test calls (its webdataset reader and zero-shot metrics) needs only torch, torchvision, open_clip, webdataset, tqdm
-# and scikit-learn, all in the test extra at their pinned versions; the rest (transformers, pycocotools,
-# pycocoevalcap) serves its captioning and Hugging Face model paths, which the tests do not use.
+# and scikit-learn, all in the test extra at their pinned versions; the rest (pycocotools, pycocoevalcap) serves its
+# captioning paths, which the tests do not use (transformers is in the test extra for the export's own tests).
 .venv/bin/python -m pip install -q --no-deps clip-benchmark==1.6.2
 echo "clip_jax is set up in .venv ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__)'))"
