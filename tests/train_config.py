@@ -9,6 +9,8 @@ Test seams, since this file runs inside the trainer's process:
   which creates it): `write` as the save's writes begin, nothing of it committed (every process); `commit` once
   every process has written its part, before the commit (the rename of the temporary folder on disk, the commit
   file on a bucket), which process 0 alone makes. The training goes on meanwhile, up to the next save.
+- CLIP_JAX_TEST_SLOW_RANK=R:SECONDS: the process of rank R takes SECONDS longer to read its first batch (a rank
+  that sets up more slowly than the others).
 - CLIP_JAX_TEST_SAVE_LOG=PATH: each process appends a JSON line to PATH when a checkpoint save begins
   (`{"event": "begin", "step", "rank", "t"}`, t: time.time(); `"skipped"` follows when the step was saved before)
   and when its background part ends (`"end"`: on every process after process 0 has committed it; `"failed"`).
@@ -22,7 +24,7 @@ import time
 from clip_jax.run_config import default_config
 
 PAUSE_AT, PAUSE_FILE, PAUSE_NTH = "CLIP_JAX_TEST_PAUSE_AT", "CLIP_JAX_TEST_PAUSE_FILE", "CLIP_JAX_TEST_PAUSE_NTH"
-SAVE_LOG = "CLIP_JAX_TEST_SAVE_LOG"
+SAVE_LOG, SLOW_RANK = "CLIP_JAX_TEST_SAVE_LOG", "CLIP_JAX_TEST_SLOW_RANK"
 SAVE_PHASES = {"write": "_background_wait_for_commit_futures", "commit": "_on_commit_callback"}
 
 
@@ -37,7 +39,24 @@ def get_config():
         pause_once_at(moment, os.environ[PAUSE_FILE])
     if os.environ.get(SAVE_LOG):
         log_saves(os.environ[SAVE_LOG])
+    slow_rank, _, seconds = os.environ.get(SLOW_RANK, "").partition(":")
+    if slow_rank == rank():
+        slow_first_batch(float(seconds))
     return c
+
+
+def slow_first_batch(seconds: float) -> None:
+    from clip_jax.training.trainer import Trainer
+
+    original, slowed = Trainer._next_batch, []
+
+    def slow(self):
+        if not slowed:
+            slowed.append(True)
+            time.sleep(seconds)
+        return original(self)
+
+    Trainer._next_batch = slow
 
 
 def wait_while_exists(path: str, timeout: float = 120) -> None:

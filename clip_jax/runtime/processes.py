@@ -31,6 +31,7 @@ LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
 HEARTBEAT_TIMEOUT, INIT_TIMEOUT = "CLIP_JAX_HEARTBEAT_TIMEOUT", "CLIP_JAX_INIT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT = 100, 300
 _joined = False  # this process joined a multi-process run
+_barriers = 0  # `wait_for_peers` calls so far: each barrier's name is new
 
 
 class DistributedInitError(RunFailed):
@@ -136,6 +137,21 @@ def initialize_from_environment() -> bool:
         return False
     initialize(group)
     return True
+
+
+def wait_for_peers(moment: str) -> None:
+    """Every process of a multi-process run waits here until all have reached `moment` (at most
+    `CLIP_JAX_INIT_TIMEOUT` seconds, as to join); a single process goes on. For the first collective of a CPU run:
+    gloo gives its peers 30 s to meet (not configurable), so a rank that set up more slowly than the others (a
+    loaded machine, a compile they read from the cache) failed the run with `Gloo context initialization failed`."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordination service's client, as Orbax's barriers use it
+
+    global _barriers
+    _barriers += 1
+    timeout = _int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
+    distributed.global_state.client.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout_in_ms=timeout * 1000)
 
 
 def leave_run(status: int, bug: Exception | None = None) -> int:

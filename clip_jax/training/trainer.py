@@ -25,7 +25,7 @@ from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import ownership, processes, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
@@ -275,6 +275,9 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = self._next_batch()
                 reads.count_step(data_wait=time.perf_counter() - t0)
+                if first_step and jax.process_count() > 1:  # the ranks meet after compiling, not in gloo's 30 s
+                    self.engine.update.lower(self.state, batch).compile()  # the call below reuses it
+                    processes.wait_for_peers("first step")
                 self.state, metrics = self.engine(self.state, batch)
                 self.step += 1
                 if first_step:  # compilation is not training speed: time the window from here
