@@ -25,6 +25,7 @@ machine allows (tests/private_loopback.py), as in the tests.
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import platform
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
             if where == "local":
                 rows.append(storage_run(where, os.path.join(tmp, "logs"), data, workdir, args))
             else:
+                logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
                 with local_s3.moto_server() as endpoint:
                     os.environ.update(local_s3.aws_env(endpoint))
                     import boto3

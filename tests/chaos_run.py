@@ -1,14 +1,13 @@
 """Random kills of a multi-process training run: the driver of benchmarks/chaos.py and tests/test_chaos.py.
 
 The run: launch/local.py starting the trainer (tests/train_config.py) as 2 processes x 2 CPU devices. `kill_and_
-relaunch` starts it, SIGKILLs one rank (chosen at random) at a moment of the kind planned for that launch, waits for
-the launch to end, and starts the same command again, until a launch with no kill left to make finishes. A kill's
-kind is `time` (a random moment of the launch, seconds after its start) or a phase of a checkpoint save where
-tests/train_config.py's seam holds the save (`write`: its writes begun, nothing committed; `commit`: every part
-written, the commit not made) while the kill is made. Each launch records its saves (the seam's save log), so every
-kill says whether the killed rank had a save in flight. `final_state` reads what a finished run left, for the bit
-for bit comparison with the same run left alone.
-"""
+relaunch` starts it, SIGKILLs one rank (drawn at random) at a moment of the kind planned for that launch, waits for
+the launch to end, and starts the same command again, until a launch with no kill left to make finishes. The kinds:
+`startup` (a random moment before the first step), `training` (a random moment after it), and two phases of a
+checkpoint save that tests/train_config.py's seam holds while the kill is made (`write`: its writes begun, nothing
+committed; `commit`: every part written, the commit not made). Each launch records its saves (the seam's save log),
+so every kill says whether the killed rank had a save in flight. `final_state` reads what a finished run left, for
+the bit for bit comparison with the same run left alone (`differences`)."""
 
 import dataclasses
 import glob
