@@ -29,6 +29,7 @@ SAVE_KINDS = tuple(train_config.SAVE_PHASES)  # ("write", "commit")
 KINDS = ("startup", "training") + SAVE_KINDS
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ", re.M)
 RESUMED_LINE = re.compile(r"^resumed \S+/(\d+) \(", re.M)
+FRESH_LINE = re.compile(r"^no checkpoint in \S+ yet: starting fresh$", re.M)
 
 
 class Launch:
@@ -98,9 +99,11 @@ class Launch:
         steps = [int(m.group(1)) for m in STEP_LINE.finditer(self.output())]
         return max(steps) if steps else None
 
-    def resumed_from(self) -> int:
-        found = RESUMED_LINE.search(self.output())
-        return int(found.group(1)) if found else 0
+    def resumed_from(self) -> int | None:
+        """The step this launch resumed from: 0 when it started afresh, None when it ended before it said."""
+        text = self.output()
+        found = RESUMED_LINE.search(text)
+        return int(found.group(1)) if found else 0 if FRESH_LINE.search(text) else None
 
     def save_output(self) -> None:
         """LOG_DIR/rank-0.out: rank 0's lines, each after the seconds since the start at which it came."""
@@ -147,8 +150,8 @@ class Kill:
     ended_after_s: float | None = None  # from the kill to the launcher's exit
     last_step: int | None = None  # the newest step rank 0 logged in the killed launch
     committed: int | None = None  # the newest checkpoint known complete at the kill (saved, or resumed from)
-    resumed_from: int | None = None  # the step the next launch resumed from (0: started afresh)
-    steps_replayed: int | None = None
+    resumed_from: int | None = None  # the step the next launch resumed from (0: afresh; None: killed before it said)
+    steps_replayed: int | None = None  # last_step - resumed_from, where both are known
     lost_checkpoint: bool = False  # the next launch resumed from an older step than one committed before the kill
 
 
@@ -213,8 +216,10 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
         if kills and kills[-1].at_s is not None:  # the previous launch's kill: where this launch took over
             previous = kills[-1]
             previous.resumed_from = launch.resumed_from()
-            previous.steps_replayed = max(0, previous.last_step - previous.resumed_from)
-            previous.lost_checkpoint = previous.committed is not None and previous.resumed_from < previous.committed
+            if previous.resumed_from is not None and previous.last_step is not None:
+                previous.steps_replayed = max(0, previous.last_step - previous.resumed_from)
+            previous.lost_checkpoint = (None not in (previous.committed, previous.resumed_from)
+                                        and previous.resumed_from < previous.committed)
             say(json.dumps(dataclasses.asdict(previous)))
         if kill is not None and killed_at is not None:
             events = read_save_log(save_log)
@@ -223,7 +228,7 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
             committed = [c for c in (newest_committed(events, killed_at), launch.resumed_from()) if c]
             kill.committed = max(committed, default=None)
             kill.launch_status, kill.ended_after_s = status, launch.elapsed() - kill.at_s
-            logged = launch.last_step()
+            logged = launch.last_step()  # none logged: where it started, if it said
             kill.last_step = logged if logged is not None else launch.resumed_from()
         if kill is not None:
             kills.append(kill)

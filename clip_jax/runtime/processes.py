@@ -141,16 +141,18 @@ def initialize_from_environment() -> bool:
 
 def wait_for_peers(moment: str) -> None:
     """Every process of a multi-process run waits here until all have reached `moment` (at most
-    `CLIP_JAX_INIT_TIMEOUT` seconds, as to join); a single process goes on. For the first collective of a CPU run:
-    gloo gives its peers 30 s to meet (not configurable), so a rank that set up more slowly than the others (a
-    loaded machine, a compile they read from the cache) failed the run with `Gloo context initialization failed`."""
+    `CLIP_JAX_INIT_TIMEOUT` seconds, and at least 15 minutes); a single process goes on. For the first collective
+    of a CPU run: gloo gives its peers 30 s to meet (not configurable), so a rank that set up more slowly than the
+    others failed the run with `Gloo context initialization failed`. Seen on a loaded machine: rank 1 compiled the
+    step while rank 0 read it from the persistent cache, over a minute apart. A peer that dies meanwhile fails the
+    run within the heartbeat timeout, as anywhere."""
     if jax.process_count() == 1:
         return
     from jax._src import distributed  # the coordination service's client, as Orbax's barriers use it
 
     global _barriers
     _barriers += 1
-    timeout = _int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
+    timeout = max(_int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT), 900)
     distributed.global_state.client.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout_in_ms=timeout * 1000)
 
 
