@@ -1,7 +1,7 @@
 """Random kills change nothing: a 2-process x 2-device training run SIGKILLed `--kills` times and relaunched, against
 the same run left alone, bit for bit.
 
-    PYTHONPATH=. python benchmarks/chaos.py [--kills 20] [--seed 0] [--storage local,s3] [--steps 64]
+    PYTHONPATH=. python benchmarks/chaos.py [--kills 20] [--seed 0] [--storage local,s3] [--steps 160]
                                             [--save-every 4] [--save-share 0.4] [--out DIR]
 
 The run: launch/local.py starting the trainer on tests/trainer_run.py's tiny model over Fashion-MNIST shards, 2
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--storage", default="local,s3", help="comma-separated: local, s3")
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--save-share", type=float, default=0.4, help="share of the kills aimed at a save")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out"))

@@ -148,10 +148,10 @@ class Kill:
     save_step: int | None = None  # the step of the save in flight on the killed rank
     launch_status: int | None = None
     ended_after_s: float | None = None  # from the kill to the launcher's exit
-    last_step: int | None = None  # the newest step rank 0 logged in the killed launch
+    last_step: int | None = None  # the newest step rank 0 logged in the killed launch, else the one it resumed from
     committed: int | None = None  # the newest checkpoint known complete at the kill (saved, or resumed from)
-    resumed_from: int | None = None  # the step the next launch resumed from (0: afresh; None: killed before it said)
-    steps_replayed: int | None = None  # last_step - resumed_from, where both are known
+    resumed_from: int | None = None  # the step the run went on from: that of the next launch that said (0: afresh)
+    steps_replayed: int | None = None  # last_step - resumed_from (a launch killed before it said or logged: 0)
     lost_checkpoint: bool = False  # the next launch resumed from an older step than one committed before the kill
 
 
@@ -182,6 +182,7 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
 
     checkpoints = storage.join(config.logs, config.name, "checkpoints")
     kills: list[Kill] = []
+    waiting: list[Kill] = []  # kills whose run no launch has taken over yet (a relaunch killed before it said where)
     problem, finished, number = None, False, 0
     while not finished and problem is None and number < len(kinds) + 3:
         number += 1
@@ -213,14 +214,13 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
             launch.save_output()
         if launch.first_step_s() is not None:
             startup_s = min(startup_s, launch.first_step_s())
-        if kills and kills[-1].at_s is not None:  # the previous launch's kill: where this launch took over
-            previous = kills[-1]
-            previous.resumed_from = launch.resumed_from()
-            if previous.resumed_from is not None and previous.last_step is not None:
-                previous.steps_replayed = max(0, previous.last_step - previous.resumed_from)
-            previous.lost_checkpoint = (None not in (previous.committed, previous.resumed_from)
-                                        and previous.resumed_from < previous.committed)
-            say(json.dumps(dataclasses.asdict(previous)))
+        if launch.resumed_from() is not None:  # where this launch took over from the kills before it
+            for previous in waiting:
+                previous.resumed_from = launch.resumed_from()
+                previous.steps_replayed = max(0, (previous.last_step or 0) - previous.resumed_from)
+                previous.lost_checkpoint = previous.committed is not None and previous.resumed_from < previous.committed
+                say(json.dumps(dataclasses.asdict(previous)))
+            waiting.clear()
         if kill is not None and killed_at is not None:
             events = read_save_log(save_log)
             kill.save_step = save_in_flight(events, rank, killed_at)
@@ -232,6 +232,8 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
             kill.last_step = logged if logged is not None else launch.resumed_from()
         if kill is not None:
             kills.append(kill)
+            if kill.at_s is not None:
+                waiting.append(kill)
         if kill is None or kill.at_s is None:  # nobody was killed: the launch must have finished the run
             finished = status == 0
             if kill is not None:
