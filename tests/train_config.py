@@ -1,8 +1,21 @@
 """A training config for tests that launch the trainer as a process: the fields come as JSON in the environment.
 
-A test seam, since this file runs inside the trainer's process: with CLIP_JAX_TEST_PAUSE_AT=save (or evaluation)
-and CLIP_JAX_TEST_PAUSE_FILE=PATH, the trainer's first non-final checkpoint save (or first evaluation) creates PATH
-once it has started and waits until the test removes it, so that the test signals the trainer at that moment."""
+Test seams, since this file runs inside the trainer's process:
+- CLIP_JAX_TEST_PAUSE_AT=save (or evaluation) and CLIP_JAX_TEST_PAUSE_FILE=PATH: the trainer's first non-final
+  checkpoint save (or first evaluation) creates PATH once it has started and waits until the test removes it, so
+  that the test signals the trainer at that moment.
+- CLIP_JAX_TEST_PAUSE_AT=write (or commit), CLIP_JAX_TEST_PAUSE_NTH=N (default 1) and CLIP_JAX_TEST_PAUSE_FILE=PATH:
+  the background thread of this process's Nth checkpoint save waits while PATH-rankR exists (R: the process's rank,
+  which creates it): `write` as the save's writes begin, nothing of it committed (every process); `commit` once
+  every process has written its part, before the commit (the rename of the temporary folder on disk, the commit
+  file on a bucket), which process 0 alone makes. The training goes on meanwhile, up to the next save.
+- CLIP_JAX_TEST_SLOW_RANK=R:SECONDS: the process of rank R takes SECONDS longer to read its first batch (a rank
+  that sets up more slowly than the others).
+- CLIP_JAX_TEST_SAVE_LOG=PATH: each process appends a JSON line to PATH when a checkpoint save begins
+  (`{"event": "begin", "step", "rank", "t"}`, t: time.time(); `"skipped"` follows when the step was saved before)
+  and when its background part ends (`"end"`: on every process after process 0 has committed it; `"failed"`).
+
+The orbax seams replace functions of orbax.checkpoint 0.12's async checkpointer (a test seam, not an API)."""
 
 import json
 import os
@@ -10,16 +23,48 @@ import time
 
 from clip_jax.run_config import default_config
 
-PAUSE_AT, PAUSE_FILE = "CLIP_JAX_TEST_PAUSE_AT", "CLIP_JAX_TEST_PAUSE_FILE"
+PAUSE_AT, PAUSE_FILE, PAUSE_NTH = "CLIP_JAX_TEST_PAUSE_AT", "CLIP_JAX_TEST_PAUSE_FILE", "CLIP_JAX_TEST_PAUSE_NTH"
+SAVE_LOG, SLOW_RANK = "CLIP_JAX_TEST_SAVE_LOG", "CLIP_JAX_TEST_SLOW_RANK"
+SAVE_PHASES = {"write": "_background_wait_for_commit_futures", "commit": "_on_commit_callback"}
 
 
 def get_config():
     c = default_config()
     for key, value in json.loads(os.environ["CLIP_JAX_TEST_CONFIG"]).items():
         c[key] = tuple(value) if isinstance(value, list) else value
-    if os.environ.get(PAUSE_AT):
-        pause_once_at(os.environ[PAUSE_AT], os.environ[PAUSE_FILE])
+    moment = os.environ.get(PAUSE_AT)
+    if moment in SAVE_PHASES:
+        pause_in_save(moment, int(os.environ.get(PAUSE_NTH, "1")), os.environ[PAUSE_FILE])
+    elif moment:
+        pause_once_at(moment, os.environ[PAUSE_FILE])
+    if os.environ.get(SAVE_LOG):
+        log_saves(os.environ[SAVE_LOG])
+    slow_rank, _, seconds = os.environ.get(SLOW_RANK, "").partition(":")
+    if slow_rank == rank():
+        slow_first_batch(float(seconds))
     return c
+
+
+def slow_first_batch(seconds: float) -> None:
+    from clip_jax.training.trainer import Trainer
+
+    original, slowed = Trainer._next_batch, []
+
+    def slow(self):
+        if not slowed:
+            slowed.append(True)
+            time.sleep(seconds)
+        return original(self)
+
+    Trainer._next_batch = slow
+
+
+def wait_while_exists(path: str, timeout: float = 120) -> None:
+    """Creates `path` and returns once it is removed (or after `timeout` seconds)."""
+    open(path, "w").close()
+    deadline = time.time() + timeout
+    while os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def pause_once_at(moment: str, path: str) -> None:
@@ -34,10 +79,60 @@ def pause_once_at(moment: str, path: str) -> None:
             result = original(self, *args, **kwargs)
         if not paused and not kwargs.get("force"):
             paused.append(True)
-            open(path, "w").close()
-            deadline = time.time() + 120
-            while os.path.exists(path) and time.time() < deadline:
-                time.sleep(0.02)
+            wait_while_exists(path)
         return result if moment == "save" else original(self, *args, **kwargs)
 
     setattr(cls, name, pausing)
+
+
+def rank() -> str:
+    return os.environ.get("CLIP_JAX_PROCESS_ID", "0")  # set by launch/local.py; one process: 0
+
+
+def pause_in_save(phase: str, nth: int, path: str) -> None:
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    name = SAVE_PHASES[phase]
+    original, calls = getattr(async_checkpointer, name), [0]
+
+    def pausing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            wait_while_exists(f"{path}-rank{rank()}")
+        return original(*args, **kwargs)
+
+    setattr(async_checkpointer, name, pausing)
+
+
+def log_saves(path: str) -> None:
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    from clip_jax.runtime.checkpoints import RunCheckpoints
+
+    save, background = RunCheckpoints.save, async_checkpointer._background_wait_for_commit_futures
+    steps = []
+
+    def record(event: str, step: int) -> None:
+        line = {"event": event, "step": step, "rank": int(rank()), "t": time.time()}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def logged_save(self, step, *args, **kwargs):
+        steps.append(step)  # before the call: its background part may begin, and end, before it returns
+        record("begin", step)
+        started = save(self, step, *args, **kwargs)
+        if not started:
+            record("skipped", steps.pop())
+        return started
+
+    def logged_background(*args, **kwargs):
+        try:
+            result = background(*args, **kwargs)
+        except BaseException:
+            record("failed", steps[-1] if steps else -1)
+            raise
+        record("end", steps[-1] if steps else -1)
+        return result
+
+    RunCheckpoints.save = logged_save
+    async_checkpointer._background_wait_for_commit_futures = logged_background

@@ -20,7 +20,7 @@ import dataclasses
 import os
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -31,6 +31,7 @@ LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
 HEARTBEAT_TIMEOUT, INIT_TIMEOUT = "CLIP_JAX_HEARTBEAT_TIMEOUT", "CLIP_JAX_INIT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT = 100, 300
 _joined = False  # this process joined a multi-process run
+_barriers = 0  # `meet_once_compiled` barriers so far: each barrier's name is new
 
 
 class DistributedInitError(RunFailed):
@@ -136,6 +137,25 @@ def initialize_from_environment() -> bool:
         return False
     initialize(group)
     return True
+
+
+def meet_once_compiled(compile_step: Callable[[], object], moment: str) -> None:
+    """CPU runs of several processes: `compile_step()`, then wait until every process has reached `moment` (at most
+    `CLIP_JAX_INIT_TIMEOUT` seconds, and at least 15 minutes). Gloo gives the peers of a first collective 30 s to meet
+    (not configurable), so a rank that set up more slowly than the others failed the run with `Gloo context
+    initialization failed`; seen on a loaded machine: rank 1 compiled the step while rank 0 read it from the
+    persistent cache, over a minute apart. The step is compiled twice (jit does not reuse an ahead-of-time compile;
+    the persistent compilation cache, where enabled, serves the second). Alone or on GPUs (NCCL has no such
+    deadline): nothing. A peer that dies meanwhile fails the run within the heartbeat timeout, as anywhere."""
+    if jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+        return
+    compile_step()
+    from jax._src import distributed  # the coordination service's client, as Orbax's barriers use it
+
+    global _barriers
+    _barriers += 1
+    timeout = max(_int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT), 900)
+    distributed.global_state.client.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout_in_ms=timeout * 1000)
 
 
 def leave_run(status: int, bug: Exception | None = None) -> int:

@@ -26,7 +26,7 @@ from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import ownership, processes, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import make_global_batch
@@ -81,8 +81,7 @@ class Trainer:
         self.mesh = mesh_for(StepSpec.from_config(config, platform=jax.devices()[0].platform))
         self.engine = build_step(step_spec(config, self.schedule, self.mesh), self.mesh)
         self.data_seed = self.start.data.seed
-        self.skipped_updates = 0
-        self.rollbacks = 0
+        self.skipped_updates = self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
         self.flops_per_sample = train_flops(self.engine.spec.model)
@@ -289,6 +288,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = self._next_batch()
                 reads.count_step(data_wait=time.perf_counter() - t0)
+                if first_step:  # the ranks of a CPU run meet once compiled, not in gloo's 30 s
+                    processes.meet_once_compiled(lambda: self.engine.update.lower(self.state, batch).compile(), "step")
                 self.state, metrics = self.engine(self.state, batch)
                 self.step += 1
                 if first_step:  # compilation is not training speed: time the window from here
