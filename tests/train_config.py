@@ -11,11 +11,13 @@ Test seams, since this file runs inside the trainer's process:
   file on a bucket), which process 0 alone makes. The training goes on meanwhile, up to the next save.
 - CLIP_JAX_TEST_SLOW_RANK=R:SECONDS: the process of rank R takes SECONDS longer to read its first batch (a rank
   that sets up more slowly than the others).
+- CLIP_JAX_TESTS_XLA_CACHE (set by tests/conftest.py): every rank reads the session's compilation cache.
 - CLIP_JAX_TEST_SAVE_LOG=PATH: each process appends a JSON line to PATH when a checkpoint save begins
   (`{"event": "begin", "step", "rank", "t"}`, t: time.time(); `"skipped"` follows when the step was saved before)
   and when its background part ends (`"end"`: on every process after process 0 has committed it; `"failed"`).
 
-The orbax seams replace functions of orbax.checkpoint 0.12's async checkpointer (a test seam, not an API)."""
+The orbax seams replace functions of orbax.checkpoint 0.12's async checkpointer, the cache seam one of jax 0.10's
+cache key (test seams, not APIs)."""
 
 import json
 import os
@@ -42,7 +44,20 @@ def get_config():
     slow_rank, _, seconds = os.environ.get(SLOW_RANK, "").partition(":")
     if slow_rank == rank():
         slow_first_batch(float(seconds))
+    if os.environ.get("CLIP_JAX_TESTS_XLA_CACHE"):
+        share_compiled_programs_across_ranks()
     return c
+
+
+def share_compiled_programs_across_ranks() -> None:
+    """The test session's persistent compilation cache (tests/conftest.py) serves every rank, not only process 0
+    (the only one that writes to it). JAX keys a CPU program by the topology of the calling process's devices,
+    which differs between processes, so rank 1 never found what rank 0 wrote and compiled every program itself;
+    keyed instead by the device kinds, a program spanning all processes has one key (the device ids stay in it,
+    through the compile options' device assignment)."""
+    from jax._src import cache_key
+
+    cache_key._hash_accelerator_config = cache_key._hash_devices
 
 
 def slow_first_batch(seconds: float) -> None:
