@@ -65,7 +65,7 @@ def test_orbax_records_the_run_tells_itself_stay_quiet_until_the_last_open_manag
         return all(f.filter(record) for f in logging.getLogger("absl").filters)
 
     waited = "Waiting for previous save to complete took 1.5 seconds. If this number is high, consider ..."
-    assert shown(waited)
+    assert shown(waited), "a RunCheckpoints that an earlier test of this process opened was never closed"
     run = RunCheckpoints(str(tmp_path / "run"), async_save=False)
     other = RunCheckpoints(str(tmp_path / "run"), read_only=True)  # another run's, opened beside it
     assert not shown(waited) and shown("some other Orbax warning")

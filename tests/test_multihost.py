@@ -102,6 +102,16 @@ def one_process(two_process_run):
     return mesh, build_step(train_lib.step_spec(config, schedule, mesh, "fp32"), mesh)
 
 
+def saved_steps(checkpoints_dir) -> list[int]:
+    with RunCheckpoints(str(checkpoints_dir), read_only=True) as saved:
+        return saved.all_steps()
+
+
+def restored(checkpoints_dir, step, abstract_state):
+    with RunCheckpoints(str(checkpoints_dir), read_only=True) as saved:
+        return saved.restore(step, abstract_state)
+
+
 def run_steps(engine, mesh, state, batches, steps):
     out = []
     for _ in range(steps):
@@ -130,7 +140,7 @@ def test_two_processes_train_exactly_as_one_process_on_the_same_global_batch(two
     state, got = run_steps(engine, mesh, fresh, global_batches(config, 2), STEPS)
     two = losses(run_dir)
     np.testing.assert_allclose(got, [two[s] for s in range(1, STEPS + 1)], rtol=1e-5)
-    saved, meta = RunCheckpoints(str(run_dir / "checkpoints")).restore(STEPS, engine.abstract_state)
+    saved, meta = restored(run_dir / "checkpoints", STEPS, engine.abstract_state)
     assert meta.global_batch == 64
     # fp32 sums in another order (gloo across processes vs one process) differ in the last bits; Adam turns a
     # last-bit difference of a near-zero gradient into up to ~1% of one update (lr 3e-3).
@@ -147,7 +157,7 @@ def test_two_processes_train_exactly_as_one_process_on_the_same_global_batch(two
 def test_a_two_process_checkpoint_continues_identically_in_one_process(two_process_run, one_process):
     config, run_dir, _ = two_process_run
     mesh, engine = one_process
-    state, _ = RunCheckpoints(str(run_dir / "checkpoints")).restore(2, engine.abstract_state)
+    state, _ = restored(run_dir / "checkpoints", 2, engine.abstract_state)
     batches = global_batches(config, 2)
     next(batches), next(batches)  # the two batches the checkpoint has seen
     _, got = run_steps(engine, mesh, state, batches, STEPS - 2)
@@ -229,7 +239,7 @@ def test_a_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(
     assert codes == [0, 0], "\n\n".join(logs)
     stopped = int(re.search(r"saved checkpoint (\d+)", logs[0]).group(1))
     assert stopped % train_lib.STOP_CHECK_EVERY_STEPS == 0
-    assert stopped in RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps()
+    assert stopped in saved_steps(tmp_path / "run" / "checkpoints")
     files = os.listdir(tmp_path / "run" / "checkpoints" / str(stopped) / "data_iter")
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(files)
 
@@ -291,14 +301,14 @@ def test_ctrl_c_to_a_local_launch_stops_both_ranks_with_a_checkpoint_and_the_run
     stopped = int(stops[0])
     assert stopped % train_lib.STOP_CHECK_EVERY_STEPS == 0 and 0 < stopped < total, output
     assert not NOT_CLEAN.search(output + rank_1), output + "\n\n" + rank_1
-    assert RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps() == [stopped]
+    assert saved_steps(tmp_path / "run" / "checkpoints") == [stopped]
 
     resumed = local_launch_run(config, tmp_path / "resumed")
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
     assert f"resumed {tmp_path / 'run' / 'checkpoints'}/{stopped} " in output, output
     assert sorted(losses(tmp_path / "run")) == list(range(1, total + 1))
-    assert total in RunCheckpoints(str(tmp_path / "run" / "checkpoints")).all_steps()
+    assert total in saved_steps(tmp_path / "run" / "checkpoints")
 
 
 @pytest.mark.subprocess
@@ -381,7 +391,7 @@ def test_a_one_process_checkpoint_continues_in_two_processes_with_reseeded_data(
 
     # Here: the same checkpoint, then the batches that 2 processes' iterators give under the reseeded data seed.
     seed = run_setup.reseeded_data_seed(config.seed, 2)
-    state, _ = RunCheckpoints(str(saved)).restore(2, engine.abstract_state)
+    state, _ = restored(saved, 2, engine.abstract_state)
     _, expected = run_steps(engine, mesh, state, global_batches(config, 2, seed=seed), STEPS - 2)
     np.testing.assert_allclose([got[3], got[4]], expected, rtol=1e-5)
     meta = read_meta(str(tmp_path / "two" / "run" / "checkpoints"), STEPS)

@@ -175,6 +175,12 @@ class RunCheckpoints:
                     self._quiet = False
                     storage_faults.quiet_orbax_out_of_space(False)
 
+    def __enter__(self) -> "RunCheckpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def read_meta(directory: str, step: int) -> CheckpointMeta | None:
     """The run metadata saved with checkpoint `step` under `directory` (None when it has none), read as a plain
