@@ -29,6 +29,7 @@ from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
 from clip_jax.training import finetune_step, wise_ft
 from clip_jax.training.finetune_config import check_finetune_config, default_finetune_config
 from clip_jax.training.finetune_data import train_batches
+from clip_jax.training.finetuner import Finetuner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_TRAIN, NUM_TEST = 256, 96
@@ -112,6 +113,38 @@ def test_the_command_sweeps_alpha_and_exports_the_chosen_model_with_its_head(fas
         features = encode_image(params, batch)
         predicted = np.argmax(np.asarray(features) @ head["weights"] + head["bias"], axis=1)
         assert np.mean(predicted == labels[:NUM_TEST]) == pytest.approx(table["rows"][1][column], abs=1.5 / NUM_TEST)
+
+
+class StopBefore:
+    """A stop signal the run agrees on before its step `step` + 1 (`Finetuner.train` asks before every step)."""
+
+    def __init__(self, step: int):
+        self.asked, self.step, self.received = 0, step, "SIGTERM"
+
+    def agreed(self) -> bool:
+        self.asked += 1
+        return self.asked > self.step
+
+
+@pytest.mark.slow
+def test_a_stopped_fine_tuning_resumed_ends_with_the_weights_of_one_left_alone(fashion, pretrained, tmp_path):
+    def config(name):
+        c = default_finetune_config()
+        c.update(pretrained=str(pretrained), data=str(fashion), make_data="", batch_size=4, epochs=1, warmup=2,
+                 lr=1e-3, logs=str(tmp_path), name=name, report_to="none", shift_data="", alphas=(0.0,))
+        return c
+
+    def fine_tune(c, stop=None):
+        with Finetuner(c, stop) as run:
+            return run.train(), run.step, jax.device_get(run.state)
+
+    done, step, alone = fine_tune(config("alone"))
+    assert (done, step) == (True, 8)  # 256 images / (4 x 8 devices)
+    assert fine_tune(config("cut"), StopBefore(3))[:2] == (False, 3)
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["3"]
+    done, step, resumed = fine_tune(config("cut"))  # resume="latest", the default
+    assert (done, step) == (True, 8)
+    jax.tree.map(np.testing.assert_array_equal, resumed, alone)  # weights, EMA, optimizer state, step
 
 
 def test_a_missing_pretrained_or_dataset_is_one_line():

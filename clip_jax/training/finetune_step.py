@@ -100,7 +100,7 @@ def make_finetune_step(model, optimizer: optax.GradientTransformation, mesh: Mes
         else:
             ema = params
         metrics = {"loss": loss, "train_acc1": accuracy, "lr": learning_rate_fn(state.step),
-                   "grad_norm": optax.global_norm(grads)}
+                   "grad_norm": optax.tree.norm(grads)}
         return FinetuneState(params, opt_state, state.step + 1, ema), metrics
 
     everywhere = replicated(mesh)
