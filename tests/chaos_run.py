@@ -30,6 +30,7 @@ KINDS = ("startup", "training") + SAVE_KINDS
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ", re.M)
 RESUMED_LINE = re.compile(r"^resumed \S+/(\d+) \(", re.M)
 FRESH_LINE = re.compile(r"^no checkpoint in \S+ yet: starting fresh$", re.M)
+from xla_flags import FAST_COMPILE
 
 
 class Launch:
@@ -40,7 +41,7 @@ class Launch:
         self.log_dir = log_dir
         environment = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60",
                        **(env or {})}
-        environment.pop("XLA_FLAGS", None)  # the launcher gives each rank its devices
+        environment["XLA_FLAGS"] = FAST_COMPILE  # the launcher adds each rank's devices
         command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(PROCESSES),
                    "--devices-per-process", str(DEVICES), "--heartbeat-timeout", str(heartbeat), "--log-dir", log_dir,
                    "--", sys.executable, "-u", "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"]

@@ -1,5 +1,6 @@
-"""Test set-up: eight simulated CPU devices, so sharded code runs as on a GPU node; jaxlib's CUDA plugin loads
-without a GPU, for the deviceless XLA:GPU compiles (and test subprocesses inherit both settings); a private loopback
+"""Test set-up: eight simulated CPU devices, so sharded code runs as on a GPU node, compiled with LLVM's cheapest code
+generation (tests/xla_flags.py); jaxlib's CUDA plugin loads without a GPU, for the deviceless XLA:GPU compiles (and
+test subprocesses inherit these settings); a private loopback
 and a session-wide XLA compilation cache. Also the tiny models and the random batch the tests share."""
 
 import copy
@@ -10,12 +11,13 @@ import tempfile
 
 import private_loopback
 import pytest
+from xla_flags import xla_flags
 
 # First, while this process has one thread: the multi-process tests' gloo sockets on a loopback that does not stall
 # (see private_loopback).
 PRIVATE_LOOPBACK = private_loopback.enter()
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))  # and the cheapest code generation (tests/xla_flags.py)
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # clip_jax.runtime.xla_gpu.prepare()
 
 # XLA's persistent compilation cache in a folder of this test session's own, shared by the trainer processes the

@@ -15,6 +15,7 @@ import pytest
 import torch
 from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
+from xla_flags import xla_flags
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput
@@ -435,7 +436,6 @@ def test_head_keeps_the_first_images_and_their_captions(setup):
 
 _WORKER = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4)
@@ -467,7 +467,7 @@ def test_two_processes_each_get_the_global_metrics(setup, ours):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags(4)
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(pid), setup["checkpoint"],
                                  setup["model"], str(setup["collection"])], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env) for pid in range(2)]

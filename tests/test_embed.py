@@ -16,6 +16,7 @@ import torch
 from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 from safetensors.numpy import save_file
+from xla_flags import xla_flags
 
 from clip_jax.evaluation import embed, embed_parts, embed_writer
 
@@ -269,7 +270,7 @@ def test_two_processes_write_their_own_parts_of_one_output(data, tmp_path):
     port, ranks = local_launch.free_port(), []
     for rank in range(2):
         env = local_launch.rank_env(os.environ, rank, 2, port, 2, 60)
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        env["XLA_FLAGS"] = xla_flags(2)
         env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
         ranks.append(subprocess.Popen([sys.executable, "-m", "clip_jax.embed", *map(str, args), "--output_folder",
                                        str(tmp_path / "two")], env=env, cwd=repo, stdout=subprocess.PIPE,

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from trainer_run import losses, tiny_config
+from xla_flags import xla_flags
 
 from clip_jax import data
 from clip_jax.data import make_shards
@@ -52,7 +53,7 @@ def start_ranks(config, num_processes, devices, *, heartbeat=60, init_timeout=60
     for rank in range(num_processes):
         env = local_launch.rank_env(os.environ, rank, num_processes, port, devices, heartbeat)
         env.update(CLIP_JAX_TEST_CONFIG=config.to_json(), CLIP_JAX_INIT_TIMEOUT=str(init_timeout), **extra)
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(devices)
         out = open(os.path.join(log_dir, f"rank-{rank}.log"), "w") if log_dir else subprocess.PIPE
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"], env=env, cwd=REPO,

@@ -14,6 +14,7 @@ import local_s3
 import numpy as np
 import pytest
 from trainer_run import losses, tiny_config
+from xla_flags import FAST_COMPILE
 
 from clip_jax.runtime.checkpoints import read_params
 
@@ -28,7 +29,7 @@ def shards(fashion_mnist_shards):
 def launch(config, log_dir, *, processes=2, devices=1, heartbeat=10, out=subprocess.PIPE):
     """launch/local.py running the trainer as `processes` joined ranks of `devices` CPU devices each."""
     env = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60"}
-    env.pop("XLA_FLAGS", None)  # the launcher gives each rank its devices
+    env["XLA_FLAGS"] = FAST_COMPILE  # the launcher adds each rank's devices
     return subprocess.Popen(
         [sys.executable, f"{REPO}/launch/local.py", str(processes), "--devices-per-process", str(devices),
          "--heartbeat-timeout", str(heartbeat), "--log-dir", str(log_dir), "--", sys.executable, "-m",

@@ -15,6 +15,7 @@ import local_s3
 import numpy as np
 import pytest
 from trainer_run import tiny_config
+from xla_flags import xla_flags
 
 from clip_jax.errors import MissingExtra, MissingInput, RunFailed
 from clip_jax.ops import report as report_lib
@@ -146,7 +147,7 @@ def test_a_run_killed_on_the_bucket_resumes_and_replays_its_lost_steps_exactly(s
                          save_every_steps=8, keep=2)  # 64 steps
     staging = tmp_path / "staging"
     staging.mkdir()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            "CLIP_JAX_TEST_CONFIG": config.to_json(), "TMPDIR": str(staging)}
     process = subprocess.Popen([sys.executable, "-m", "clip_jax.train", f"--config={repo}/tests/train_config.py"],
                                env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 from trainer_run import losses, tiny_config
+from xla_flags import xla_flags
 
 from clip_jax.training import trainer as train_lib
 
@@ -36,7 +37,7 @@ def stop_config(shards, logs, **overrides):
 
 def launch(config, env=None) -> subprocess.Popen:
     """The trainer in a process group of its own (with its data workers), as a terminal runs a command."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            "CLIP_JAX_TEST_CONFIG": config.to_json(), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from trainer_run import losses, nan_after, tiny_config
+from xla_flags import xla_flags
 
 from clip_jax.evaluation import zeroshot
 from clip_jax.ops import run_outputs
@@ -41,7 +42,7 @@ def saved_steps(run_dir) -> list[int]:
 def launch(config, *extra) -> subprocess.Popen:
     """The trainer as its own process; tests/train_config.py hands it `config` through the environment."""
     args = [sys.executable, "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            "CLIP_JAX_TEST_CONFIG": config.to_json()}
     return subprocess.Popen(args + list(extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=REPO)

@@ -16,6 +16,7 @@ import torch
 import torchvision
 from open_clip_reference import TINY, TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
+from xla_flags import xla_flags
 
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import (ClassificationSet, ZeroShotEvaluator, build_zeroshot_classifier, evaluate_zeroshot,
@@ -234,7 +235,6 @@ def test_an_evaluator_built_once_gives_each_params_their_own_result(mesh, model)
 
 _WORKER = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4)
@@ -265,7 +265,7 @@ def test_two_processes_each_get_the_global_result(tmp_path, mesh, tiny_json, mod
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags(4)
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(pid), str(tmp_path / "params.npz"),
                                  tiny_json], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                for pid in range(2)]
