@@ -1,7 +1,7 @@
 """Test set-up: eight simulated CPU devices, so sharded code runs as on a GPU node, compiled with LLVM's cheapest code
 generation (tests/xla_flags.py); jaxlib's CUDA plugin loads without a GPU, for the deviceless XLA:GPU compiles (and
-test subprocesses inherit these settings); a private loopback
-and a session-wide XLA compilation cache. Also the tiny models and the random batch the tests share."""
+test subprocesses inherit these settings); a private loopback and a session-wide XLA compilation cache. Also the
+tiny models and the random batch the tests share."""
 
 import copy
 import json
