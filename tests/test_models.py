@@ -96,7 +96,9 @@ def test_remat_changes_memory_not_results(policy):
     loss, grads = _loss_and_grads(plain, params, images, tokens)
     loss_r, grads_r = _loss_and_grads(create_model(TINY, remat_policy=policy), params, images, tokens)
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_r, grads)
+    # Recomputing the forward sums in another order: float32 rounding, up to 7e-6 seen on a leaf whose largest
+    # gradient is ~3.6 (a remat bug would be off by the gradient's own size)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()), grads_r, grads)
 
 
 def test_scanned_layers_keep_the_program_size_flat_in_depth():
