@@ -57,7 +57,8 @@ def share_compiled_programs_across_ranks() -> None:
     through the compile options' device assignment)."""
     from jax._src import cache_key
 
-    cache_key._hash_accelerator_config = cache_key._hash_devices
+    if hasattr(cache_key, "_hash_accelerator_config") and hasattr(cache_key, "_hash_devices"):  # else: slower only
+        cache_key._hash_accelerator_config = cache_key._hash_devices
 
 
 def slow_first_batch(seconds: float) -> None:
