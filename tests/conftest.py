@@ -102,3 +102,15 @@ def fashion_mnist_shards(tmp_path_factory, trainer_model_file):
 
 def pytest_report_header(config):
     return f"private loopback with MTU {private_loopback.MTU}: {'yes' if PRIVATE_LOOPBACK else 'no (not permitted)'}"
+
+
+@pytest.fixture(autouse=True)
+def checkpoint_managers_closed():
+    """A test that leaves a checkpoint manager open (a `Trainer` or `RunCheckpoints` used without `with` or
+    `close()`) fails here, by name: the manager's thread and log filter would outlive it into later tests."""
+    from clip_jax.runtime import storage_faults
+
+    before = storage_faults.quiet_holders()
+    yield
+    left_open = storage_faults.quiet_holders() - before
+    assert left_open <= 0, f"{left_open} checkpoint manager(s) left open: use the Trainer or RunCheckpoints in `with`"

@@ -105,7 +105,8 @@ def test_the_host_reads_each_loss_after_dispatching_the_next_step(shards, tmp_pa
 
     trainer.engine = dataclasses.replace(trainer.engine, update=dispatch)
     monkeypatch.setattr(trainer, "observe", read)
-    trainer.train()
+    with trainer:
+        trainer.train()
     assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "dispatch 4", "read 3",
                       "read 4", "dispatch 5", "dispatch 6", "read 5", "dispatch 7", "read 6", "dispatch 8",
                       "read 7", "read 8"]
@@ -218,7 +219,8 @@ def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards
             pass
 
     monkeypatch.setattr(train_lib, "StopSignal", StopAtStep6)
-    assert trainer.train() == {"stopped_at": 4}
+    with trainer:
+        assert trainer.train() == {"stopped_at": 4}
     assert trainer.rollbacks == 1 and trainer.skipped_updates == 1
 
 

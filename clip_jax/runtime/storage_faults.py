@@ -117,3 +117,8 @@ def quiet_orbax_out_of_space(on: bool) -> None:
     for name in ("absl", ""):
         logger = logging.getLogger(name)
         (logger.addFilter if _quiet_holders else logger.removeFilter)(_QUIET)
+
+
+def quiet_holders() -> int:
+    """How many holders (open checkpoint managers) keep the filter installed."""
+    return _quiet_holders
