@@ -193,4 +193,8 @@ def test_command_line_plan_compiles_for_the_simulated_gpus(tmp_path, tiny_json):
     assert json.loads(planner.plan_json(typed)) == result
     text = planner.format_plan(typed)
     assert "plan: tiny on 2 x h100" in text and "gradient accumulation not needed" in text
+    # XLA's count of the planned step, every scanned block included; at this width the loss, norms and AdamW
+    # (which only XLA counts) are a third of it: ViT-B-32's and ViT-L-14's are within 5% (above).
+    flops = result["flops_per_sample"]
+    assert flops["counted_at_batch"] == 4 and 1.0 <= flops["train_xla"] / flops["train_analytic"] < 1.5
     # An unknown GPU on the command line: test_xla_gpu.py's bad planner input (one line, exit status 2).

@@ -81,7 +81,7 @@ def test_the_planner_plans_a_resnet_run(tmp_path):
     c = default_config()
     c.update(model=str(model_file), train_num_samples=1_000, epochs=1, workers=2, batch_size=4, precision="fp32",
              grad_checkpointing=False, fsdp=True)
-    result = planner.plan(c, "h100", 2, compiler="cpu", search_batch=False)
+    result = planner.plan(c, "h100", 2, compiler="cpu", search_batch=False, xla_flops=False)  # XLA's: above
     memory = result.memory_per_device
     assert memory.fits and memory.total_bytes > memory.state_bytes > 0
     assert result.flops_per_sample.forward_analytic == tiny_rn_forward_flops()

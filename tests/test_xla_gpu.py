@@ -71,7 +71,8 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
                   train_num_samples=1000, epochs=1, workers=1)
     compiles = []  # (lowered, compiler options, compiled) of every compile the planner runs
     with mock.patch.object(jax.stages.Lowered, "compile", recording(compiles)):
-        result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False)
+        result = planner.plan(config, "a100-40gb", 8, compiler="gpu", topology="2x4", search_batch=False,
+                              xla_flops=False)
     memory = result.memory_per_device
     assert memory.compiler == "gpu" and "XLA:GPU" in memory.measured_by
     assert result.setup.attention == "cudnn"  # auto, on a GPU, in bf16
@@ -333,8 +334,7 @@ def test_bad_planner_input_gets_one_line_and_exit_status_2(args, hide, message):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_path):
-    # Without remat: the planner then counts FLOPs on one XLA:CPU step, not two (the remat step's count is the
-    # in-process planner test's and test_plan.py's).
+    # XLA's FLOP count (XLA:CPU compiles beside the XLA:GPU one) is test_plan.py's: not asked for here.
     model_file = tmp_path / "tiny.json"
     model_file.write_text(__import__("json").dumps(TINY))
     config_file = tmp_path / "tiny_run.py"
@@ -345,13 +345,14 @@ def test_the_command_line_planner_takes_xla_gpu_when_the_plugin_is_there(tmp_pat
                            "             workers=1, grad_checkpointing=False)\n"
                            "    return c\n")
     done = subprocess.run([sys.executable, "-m", "clip_jax.plan", f"--config={config_file}", "--gpu=h200",
-                           "--gpus=16", "--topology=4x4", "--nosearch_batch"],
+                           "--gpus=16", "--topology=4x4", "--nosearch_batch", "--noxla_flops"],
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("XLA:GPU memory analysis of the train step compiled for 16 x h200 (4 nodes x 4, deviceless XLA:GPU)"
             in done.stdout)
     assert "cuDNN fused attention: " in done.stdout and "collectives: " in done.stdout
     assert "31.7%" in done.stdout  # the H200's measured MFU, not the reference run's
+    assert "XLA (not counted: --noxla_flops)" in done.stdout
 
 
 def test_the_planner_plans_with_the_memory_fraction_the_launcher_sets():

@@ -57,7 +57,8 @@ def main(argv) -> None:
     try:
         result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
                       memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
-                      topology=FLAGS.topology, search_batch=FLAGS.search_batch, progress=say)
+                      topology=FLAGS.topology, search_batch=FLAGS.search_batch, xla_flops=FLAGS.xla_flops,
+                      progress=say)
     except UserError as e:
         usage_error(str(e))
     print(plan_json(result) if FLAGS.json else format_plan(result))
@@ -80,6 +81,8 @@ def _define_flags() -> None:
                        "fraction of GPU memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION, as launch/env.sh sets it)")
     flags.DEFINE_float("pipeline_rate", PIPELINE_SAMPLES_PER_CORE_S, "input pipeline samples per CPU core-second")
     flags.DEFINE_bool("search_batch", True, "find the largest per-device batch that fits (a few compiles)")
+    flags.DEFINE_bool("xla_flops", True, "also count FLOPs on XLA:CPU compiles of the step, a check of the analytic "
+                      "count (minutes for a large model; --noxla_flops skips it)")
     flags.DEFINE_bool("json", False, "print the plan as JSON")
     flags.mark_flags_as_required(["config"])
 

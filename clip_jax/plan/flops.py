@@ -88,13 +88,27 @@ def loop_corrected_flops(compiled, setup: StepSpec, per_device_batch: int, *, tr
 
 @dataclasses.dataclass(frozen=True)
 class FlopsPerSample:
+    """The `*_xla` fields and `counted_at_batch` are None when XLA's count was not asked for (`analytic_only`)."""
+
     forward_analytic: float
-    forward_xla: float
+    forward_xla: float | None
     train_analytic: float  # 3 x forward: the model FLOPs MFU is quoted in
-    train_xla: float  # the step without remat: also norms, softmax, GELU, the loss and the AdamW update
+    train_xla: float | None  # the step without remat: also norms, softmax, GELU, the loss and the AdamW update
     remat_extra_analytic: float  # upper bound: every block's forward again
-    remat_extra_xla: float  # what the remat policy really recomputes (XLA drops recomputation nothing needs)
-    counted_at_batch: int  # the per-device batch XLA's programs were compiled for
+    remat_extra_xla: float | None  # what the remat policy really recomputes (XLA drops recomputation nothing needs)
+    counted_at_batch: int | None  # the per-device batch XLA's programs were compiled for
+
+
+def _remat_extra_analytic(setup: StepSpec) -> float:
+    if setup.remat_policy == "none":
+        return 0.0
+    return float(train_flops(setup.model, remat=True) - train_flops(setup.model))
+
+
+def analytic_only(setup: StepSpec) -> FlopsPerSample:
+    """The analytic counts alone: no program is compiled."""
+    return FlopsPerSample(float(forward_flops(setup.model)), None, float(train_flops(setup.model)), None,
+                          _remat_extra_analytic(setup), None, None)
 
 
 def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,
@@ -110,9 +124,6 @@ def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,
     remat_xla = 0.0
     if setup.remat_policy != "none":
         remat_xla = loop_corrected_flops(compile_step(setup), setup, per_device_batch, train=True) - train_xla
-    config = setup.model
-    remat_analytic = 0.0
-    if setup.remat_policy != "none":
-        remat_analytic = float(train_flops(config, remat=True) - train_flops(config))
-    return FlopsPerSample(float(forward_flops(config)), forward_xla, float(train_flops(config)), train_xla,
-                          remat_analytic, remat_xla, per_device_batch)
+    analytic = analytic_only(setup)
+    return dataclasses.replace(analytic, forward_xla=forward_xla, train_xla=train_xla, remat_extra_xla=remat_xla,
+                               counted_at_batch=per_device_batch)

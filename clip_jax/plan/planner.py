@@ -11,7 +11,7 @@ from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
-from clip_jax.plan.flops import flops_per_sample
+from clip_jax.plan.flops import analytic_only, flops_per_sample
 from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
                                   largest_fitting_batch, memory_savers, smallest_accum, state_bytes_per_device)
 from clip_jax.plan.report import size
@@ -58,12 +58,13 @@ def _parameter_counts(setup: StepSpec) -> ParameterCounts:
 def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mfu: float | None = None,
          memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline_rate: float = PIPELINE_SAMPLES_PER_CORE_S,
          compiler: str = "cpu", topology: str | None = None, devices=None, search_batch: bool = True,
-         progress: Callable[[str], None] = lambda message: None) -> Plan:
+         xla_flops: bool = True, progress: Callable[[str], None] = lambda message: None) -> Plan:
     """The plan for training `config` on `num_gpus` GPUs of kind `gpu_name`.
 
     `compiler`: "gpu" compiles the step with XLA:GPU for `topology` ("NODESxGPUS", see `xla_gpu.parse_topology`)
     without a GPU; "cpu" with XLA:CPU over `devices`, one per GPU (default: the first `num_gpus` of
-    `jax.devices()`).
+    `jax.devices()`). `xla_flops`: also count the FLOPs of XLA:CPU compiles of the step beside the analytic count
+    (a check of it; the speed and cost use the analytic count either way).
     """
     gpu = get_gpu(gpu_name)
     check_fp8(config.precision, gpu)
@@ -128,7 +129,9 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     # FLOPs, counted on the step without accumulation at the per-device micro-batch (by XLA:CPU, on one device
     # when XLA:GPU compiled the rest: its cost analysis is empty).
     micro_batch = batch_size // (accum_needed or accum_freq)
-    if compiler == "gpu":
+    if not xla_flops:
+        flops = analytic_only(setup)
+    elif compiler == "gpu":
         progress(f"counting FLOPs: XLA:CPU compiles of the step at per-device batch {micro_batch}")
         cpu_setup = dataclasses.replace(setup, attention_impl="xla")
         flops = flops_per_sample(cpu_setup, create_mesh(jax.devices("cpu")[:1]), micro_batch)

@@ -12,8 +12,8 @@ def size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _gflop(n: float) -> str:
-    return f"{n / 1e9:.2f}"
+def _gflop(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
 
 
 def plan_json(p: Plan) -> str:
@@ -90,14 +90,17 @@ def format_plan(p: Plan) -> str:
         (f"parameters          {params.total:,} (image {params.image:,}, text {params.text:,}, "
          f"logit_scale {params.logit_scale})"),
         "",
-        f"FLOPs per sample (GFLOP)       analytic     XLA (compiled at per-device batch {f.counted_at_batch})",
+        ("FLOPs per sample (GFLOP)       analytic     XLA " + (
+            f"(compiled at per-device batch {f.counted_at_batch})" if f.counted_at_batch is not None
+            else "(not counted: --noxla_flops)")),
         f"  forward                     {_gflop(f.forward_analytic):>9}  {_gflop(f.forward_xla):>11}",
         (f"  train step (3x forward)     {_gflop(f.train_analytic):>9}  {_gflop(f.train_xla):>11}"
          "   XLA also counts norms, softmax, GELU, loss, AdamW"),
     ]
     if s.remat_policy != "none":
+        remat_xla = "-" if f.remat_extra_xla is None else "+" + _gflop(f.remat_extra_xla)
         lines.append(f"  + remat ({s.remat_policy})"[:30].ljust(30)
-                     + f"{'+' + _gflop(f.remat_extra_analytic):>9}  {'+' + _gflop(f.remat_extra_xla):>11}"
+                     + f"{'+' + _gflop(f.remat_extra_analytic):>9}  {remat_xla:>11}"
                      "   analytic: every block again (upper bound)")
     lines += ["", *_memory_lines(p), *_step_program_lines(p)]
     lines += [
