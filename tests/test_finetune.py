@@ -147,6 +147,23 @@ def test_a_stopped_fine_tuning_resumed_ends_with_the_weights_of_one_left_alone(f
     jax.tree.map(np.testing.assert_array_equal, resumed, alone)  # weights, EMA, optimizer state, step
 
 
+@pytest.mark.slow
+def test_a_fine_tuning_whose_set_up_fails_takes_back_the_run_directory_it_made(fashion, pretrained, tmp_path,
+                                                                               monkeypatch):
+    from clip_jax.training import finetuner
+
+    def unwritable_outputs(*args, **kwargs):
+        raise PermissionError("the metrics cannot be written")
+
+    c = default_finetune_config()
+    c.update(pretrained=str(pretrained), data=str(fashion), make_data="", batch_size=4, epochs=1, warmup=2,
+             logs=str(tmp_path / "logs"), name="failed", report_to="none", shift_data="")
+    monkeypatch.setattr(finetuner, "RunOutputs", unwritable_outputs)  # the last of the set-up, after config.json
+    with pytest.raises(PermissionError):
+        Finetuner(c)
+    assert not (tmp_path / "logs").exists()  # the run directory and the logs folder it made, taken back
+
+
 def test_a_missing_pretrained_or_dataset_is_one_line():
     c = default_finetune_config()
     c.pretrained, c.data = "/nowhere/logs/demo", ""

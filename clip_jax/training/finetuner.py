@@ -43,6 +43,7 @@ from clip_jax.training.evaluations import PROBE_VAL_PROPORTION, eval_batch_size
 from clip_jax.training.finetune_config import INVERT, check_finetune_config
 from clip_jax.training.finetune_data import train_batches
 from clip_jax.training.preemption import StopSignal
+from clip_jax.training.run_setup import NewRunDirectory
 
 EXPORT = "export"
 RUN_ENTRIES = ["config.json", "checkpoints", "metrics.jsonl", "tensorboard", wise_ft.TABLE_JSON, wise_ft.TABLE_CSV,
@@ -95,6 +96,7 @@ class Finetuner:
         self.run_dir = storage.absolute(storage.join(config.logs, config.name))
         ownership.refuse_foreign(self.run_dir, RUN_ENTRIES, writing=f"the fine-tuning run {config.name!r}",
                                  change="give the run another --config.name, or another --config.logs")
+        self.new_dir = NewRunDirectory(self.run_dir)  # before any write
         self.train_set, self.test_set, self.shift_set = open_sets(config)
         self.model, self.model_config, clip_params, self.mean, self.std = load_model(config)
         self.mesh = create_mesh()
@@ -116,7 +118,7 @@ class Finetuner:
         try:
             self._open()
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _open(self) -> None:
@@ -171,20 +173,24 @@ class Finetuner:
         if self.is_main:
             print(message, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Closes what the run opened; a `failed` set-up that made the run directory and left nothing in it to keep
+        takes that directory back (as the trainer's does)."""
         try:
             if self.checkpoints is not None:
                 self.checkpoints.close()
         finally:
             outputs, self.checkpoints, self.outputs = self.outputs, None, None
             if outputs is not None:
-                outputs.close()
+                outputs.close(failed)
+            if failed and self.is_main:
+                self.new_dir.remove_if_unused()
 
     def __enter__(self) -> "Finetuner":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     # -- training -----------------------------------------------------------------------------------------------
 
