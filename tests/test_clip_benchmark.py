@@ -425,6 +425,17 @@ def test_check_config_refuses_a_benchmark_folder_it_cannot_evaluate(setup, tmp_p
         check_config(config, num_devices=8)
 
 
+def test_fine_tuning_refuses_a_retrieval_folder_in_its_own_name(setup):
+    from clip_jax.training.finetune_config import check_finetune_config, default_finetune_config
+
+    c = default_finetune_config()
+    c.update(pretrained=setup["checkpoint"], data=str(setup["collection"] / "captions"), train_split="test",
+             test_split="test", shift_data="")
+    with pytest.raises(ValueError, match="dataset_type.txt says retrieval; fine-tuning needs a classification "
+                                         "dataset$"):
+        check_finetune_config(c)
+
+
 def test_head_keeps_the_first_images_and_their_captions(setup):
     retrieval = clip_benchmark.open_dataset(str(setup["collection"] / "captions")).head(3)
     assert retrieval.retrieval.num_images == 3

@@ -380,13 +380,18 @@ class BenchmarkRetrievalSet:
 # In training (`zeroshot_data`): a single-label classification set, its test split
 
 
-def check_training_layout(root: str, split: str = "test") -> Layout:
-    """The layout of a CLIP_benchmark dataset a trainer can evaluate (top-1/top-5 needs one class per image)."""
+TRAINING_ZERO_SHOT = "training's zero-shot evaluation"
+
+
+def check_training_layout(root: str, split: str = "test", *, needed_by: str = TRAINING_ZERO_SHOT) -> Layout:
+    """The layout of a CLIP_benchmark dataset a trainer can evaluate, probe or fine-tune on (`needed_by` says
+    which, in the message): those need one class per image."""
     layout = read_layout(root, split)
     if layout.dataset_type != "classification":
-        raise InvalidInput(f"{os.path.join(layout.root, TYPE_FILE)} says {layout.dataset_type}; training's zero-shot "
-                           "evaluation needs a classification dataset (run `python -m clip_jax.zeroshot --benchmark` "
-                           "for the others)")
+        others = (" (run `python -m clip_jax.zeroshot --benchmark` for the others)" if needed_by == TRAINING_ZERO_SHOT
+                  else "")
+        raise InvalidInput(f"{os.path.join(layout.root, TYPE_FILE)} says {layout.dataset_type}; {needed_by} needs a "
+                           f"classification dataset{others}")
     return layout
 
 

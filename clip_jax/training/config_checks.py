@@ -107,7 +107,7 @@ def linear_probe_problems(c: ml_collections.ConfigDict) -> list[str]:
 
     for split in ("train", "test"):
         try:
-            clip_benchmark.check_training_layout(c.linear_probe_data, split)
+            clip_benchmark.check_training_layout(c.linear_probe_data, split, needed_by="the linear probe")
         except UserError as e:
             return [f"linear_probe_data={c.linear_probe_data!r} needs a {split!r} split the probe "
                     f"{'trains' if split == 'train' else 'is scored'} on: {e}"]

@@ -165,7 +165,8 @@ class Evaluations:
         from clip_jax.evaluation import clip_benchmark
 
         root = self.config.linear_probe_data
-        return tuple(clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split))
+        return tuple(clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split,
+                                                                                      needed_by="the linear probe"))
                      for split in ("train", "test"))
 
     def linear_probe(self, weights, step: int) -> dict[str, float]:

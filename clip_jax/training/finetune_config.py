@@ -125,7 +125,7 @@ def split_problems(field: str, root: str, splits) -> list[str]:
 
     for split in splits:
         try:
-            clip_benchmark.check_training_layout(root, split)
+            clip_benchmark.check_training_layout(root, split, needed_by="fine-tuning")
         except UserError as e:
             return [f"{field}={root!r} has no usable {split!r} split: {e}"]
     return []

@@ -56,8 +56,9 @@ def open_sets(c):
         from clip_jax.evaluation.fashion_mnist_layout import write_fashion_mnist
 
         write_fashion_mnist(c.data, change="give --config.data another folder")
-    train, test = (clip_benchmark.open_dataset(clip_benchmark.check_training_layout(c.data, split)).classification
-                   for split in (c.train_split, c.test_split))
+    train, test = (clip_benchmark.open_dataset(layout).classification for layout in (
+        clip_benchmark.check_training_layout(c.data, split, needed_by="fine-tuning")
+        for split in (c.train_split, c.test_split)))
     if c.train_samples:
         train = train.head(c.train_samples)
     if c.test_samples:
