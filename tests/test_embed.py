@@ -210,6 +210,34 @@ def test_a_killed_run_and_a_deleted_part_are_completed_and_the_parts_written_are
                 if name.startswith(".")]
 
 
+def test_parts_written_to_a_bucket_equal_a_local_folders_and_a_second_run_keeps_them(data, tmp_path, capsys):
+    import local_s3
+
+    args = ["--input_dataset", data["pattern"], "--input_format", "webdataset", "--clip_model", data["model"],
+            "--enable_metadata", "True", "--write_batch_size", 5, "--wds_number_file_per_input_file", 4]
+    assert run_embed(*args, "--output_folder", tmp_path / "local") == 0
+    with local_s3.moto_server() as endpoint, local_s3.bucket_on(endpoint, "embeddings") as s3:
+        assert run_embed(*args, "--output_folder", "s3://embeddings/laion/out") == 0
+        objects = local_s3.keys(s3, "embeddings", "laion/out/")
+        for key in objects:  # read back straight from the server, not through the code under test
+            path = tmp_path / "bucket" / key.removeprefix("laion/out/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(s3.get_object(Bucket="embeddings", Key=key)["Body"].read())
+        capsys.readouterr()
+        assert run_embed(*args, "--output_folder", "s3://embeddings/laion/out") == 0
+        assert "into 0 parts of 3 (3 written before kept)" in capsys.readouterr().out
+        assert local_s3.keys(s3, "embeddings", "laion/out/") == objects
+        assert run_embed(*args, "--output_folder", "s3://no-such-bucket/out") == 2
+        assert "bucket s3://no-such-bucket (of s3://no-such-bucket/out) does not exist" in capsys.readouterr().err
+    assert not [key for key in objects if ".clip_jax-partial-" in key]
+    local, bucket = read_parts(tmp_path / "local"), read_parts(tmp_path / "bucket")
+    assert sorted(bucket) == sorted(local) == ["0", "1", "2"]
+    for number, (image, text, rows) in local.items():
+        np.testing.assert_array_equal(bucket[number][0], image)
+        np.testing.assert_array_equal(bucket[number][1], text)
+        assert bucket[number][2] == rows
+
+
 def test_a_folder_of_other_embeddings_or_a_mistyped_flag_is_refused_in_one_line(data, tmp_path, capsys):
     out = tmp_path / "out"
     base = ["--input_dataset", data["pattern"], "--input_format", "webdataset", "--output_folder", out,

@@ -33,6 +33,7 @@ from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.evaluation import embed_parts, embed_reader, embed_writer
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
+from clip_jax.runtime import storage
 
 PROGRESS_EVERY_S = 10.0
 
@@ -128,8 +129,8 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
         raise InvalidInput("--enable_image False and --enable_text False: nothing to embed")
     if args.batch_size < 1:
         raise InvalidInput(f"--batch_size {args.batch_size}: give at least 1")
-    if "://" in args.output_folder:
-        raise InvalidInput(f"--output_folder {args.output_folder}: give a local (or mounted) folder")
+    if storage.is_remote(args.output_folder):  # credentials, bucket and endpoint, before the model loads
+        storage.check_location(args.output_folder, write=True)
     fmt = webdataset.SampleFormat.parse(args.wds_image_key, args.wds_caption_key)
     inputs, estimate = _inputs(args)
     if estimate == 0:

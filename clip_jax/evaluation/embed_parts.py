@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.runtime import storage
 
 INPUT_FORMATS = ("files", "webdataset")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -96,9 +97,9 @@ def part_paths(output_folder: str, part: int, parts: int, kinds: Sequence[str]) 
     """`{kind: path}` of one part's files, for the kinds the run writes."""
     number = part_number(part, parts)
     suffix = {"img_emb": ".npy", "text_emb": ".npy", "metadata": ".parquet"}
-    return {kind: os.path.join(output_folder, kind, f"{kind}_{number}{suffix[kind]}") for kind in kinds}
+    return {kind: storage.join(output_folder, kind, f"{kind}_{number}{suffix[kind]}") for kind in kinds}
 
 
 def is_written(paths: dict[str, str]) -> bool:
     """A part is done when every one of its files is there (each is written whole or not at all)."""
-    return all(os.path.isfile(path) for path in paths.values())
+    return all(storage.isfile(path) for path in paths.values())

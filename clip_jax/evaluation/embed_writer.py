@@ -2,8 +2,9 @@
 
 A part is `img_emb/img_emb_N.npy` and `text_emb/text_emb_N.npy` (float16 [n, E]) and `metadata/metadata_N.parquet`
 (`image_path`, `caption`, then the fields of the samples' `.json`, nested ones as `a.b`), row for row. Each file is
-written under a staging name beside it and renamed into place, so a killed run leaves no file that looks complete;
-the metadata goes last, so a part is done once its parquet file is there with its embeddings.
+written under a staging name beside it and renamed into place (on a bucket, `s3://` or `gs://`: written as one object,
+which appears only once complete), so a killed run leaves no file that looks complete; the metadata goes last, so
+a part is done once its parquet file is there with its embeddings.
 
 The folder's record, `.clip_jax-embed.json`, says which model (a digest of its weights) and which settings wrote
 the parts: a run continues a folder only with the same ones, and refuses a folder holding another model's
@@ -21,7 +22,7 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.embed_parts import KINDS
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, storage
 
 RECORD = ".clip_jax-embed.json"
 _STAGING = ".clip_jax-partial-"
@@ -43,14 +44,13 @@ def weights_digest(params) -> str:
 def check_output(output_folder: str, record: dict) -> None:
     """Refuses an `output_folder` whose entries are not clip_jax's, or whose earlier parts are of another model
     or were made with other settings. Every process checks before any writes, so all refuse alike."""
-    if os.path.isdir(output_folder):
+    if storage.isdir(output_folder):
         ownership.refuse_foreign(output_folder, list(KINDS) + [RECORD], writing="python -m clip_jax.embed",
                                  change=_CHANGE)
-    path = os.path.join(output_folder, RECORD)
-    if os.path.isfile(path):
+    path = storage.join(output_folder, RECORD)
+    if storage.isfile(path):
         try:
-            with open(path) as f:
-                earlier = json.load(f)
+            earlier = json.loads(storage.read_text(path))
         except (OSError, ValueError) as e:
             raise InvalidInput(f"{path} (the record of the embeddings there) cannot be read: {e}; {_CHANGE}") from e
         if earlier.get("weights") != record["weights"]:
@@ -66,11 +66,14 @@ def check_output(output_folder: str, record: dict) -> None:
 def claim_output(output_folder: str, record: dict) -> None:
     """Records the folder's entries as clip_jax's, and the run (one process, once every process checked)."""
     ownership.claim(output_folder, list(KINDS) + [RECORD], writing="python -m clip_jax.embed", change=_CHANGE)
-    _replace(os.path.join(output_folder, RECORD), (json.dumps(record, indent=1) + "\n").encode())
+    _replace(storage.join(output_folder, RECORD), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def _replace(path: str, data: bytes) -> None:
-    """Writes `path` whole or not at all: staged beside it, then renamed over it."""
+    """Writes `path` whole or not at all: staged beside it, then renamed over it; on a bucket, one object."""
+    if storage.is_remote(path):
+        storage.write_bytes(path, data)
+        return
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
     for left in os.listdir(folder):  # what a killed run was writing under this name

@@ -152,6 +152,16 @@ def write_text(path: str, text: str) -> None:
     target.write_text(text)
 
 
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes a whole file (on a bucket: one object, which appears only once complete), making the folders a disk
+    needs."""
+    use_fsspec_for_urls(path)
+    target = epath.Path(path)
+    if not is_remote(path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+
+
 def open_file(path: str, mode: str = "r"):
     use_fsspec_for_urls(path)
     return epath.Path(path).open(mode)
