@@ -105,12 +105,23 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(autouse=True)
-def checkpoint_managers_closed():
-    """A test that leaves a checkpoint manager open (a `Trainer` or `RunCheckpoints` used without `with` or
-    `close()`) fails here, by name: the manager's thread and log filter would outlive it into later tests."""
+def the_process_left_as_found():
+    """A test that leaves this process changed for the tests after it in its xdist worker fails here, by name: a
+    checkpoint manager left open (a `Trainer` or `RunCheckpoints` used without `with` or `close()`: its thread and
+    log filter outlive it), a stop-signal handler not restored, a log filter left on absl's or the root logger."""
+    import logging
+    import signal
+
     from clip_jax.runtime import storage_faults
 
-    before = storage_faults.quiet_holders()
+    def state():
+        return ({name: signal.getsignal(name) for name in (signal.SIGINT, signal.SIGTERM)},
+                {name: list(logging.getLogger(name).filters) for name in ("absl", "")})
+
+    managers, before = storage_faults.quiet_holders(), state()
     yield
-    left_open = storage_faults.quiet_holders() - before
+    left_open = storage_faults.quiet_holders() - managers
     assert left_open <= 0, f"{left_open} checkpoint manager(s) left open: use the Trainer or RunCheckpoints in `with`"
+    handlers, filters = state()
+    assert handlers == before[0], f"signal handlers changed: {before[0]} -> {handlers}"
+    assert filters == before[1], f"log filters changed: {before[1]} -> {filters}"
