@@ -81,8 +81,8 @@ def _define_flags() -> None:
                        "fraction of GPU memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION, as launch/env.sh sets it)")
     flags.DEFINE_float("pipeline_rate", PIPELINE_SAMPLES_PER_CORE_S, "input pipeline samples per CPU core-second")
     flags.DEFINE_bool("search_batch", True, "find the largest per-device batch that fits (a few compiles)")
-    flags.DEFINE_bool("xla_flops", True, "also count FLOPs on XLA:CPU compiles of the step, a check of the analytic "
-                      "count (minutes for a large model; --noxla_flops skips it)")
+    flags.DEFINE_bool("xla_flops", True, "also count FLOPs on XLA:CPU compiles of the step and its blocks, a check "
+                      "of the analytic count (--noxla_flops skips those compiles)")
     flags.DEFINE_bool("json", False, "print the plan as JSON")
     flags.mark_flags_as_required(["config"])
 
