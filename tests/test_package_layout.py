@@ -1,0 +1,110 @@
+"""The package's shape, as the README's Layout section states it: subpackages that import one way (each only those
+listed before it, and the few shared top-level modules, which import no subpackage), no module over 400 lines, at
+most 8 top-level modules besides the thin `python -m clip_jax.X` entries, and no file left with a merge's conflict
+markers. Read from the source (its `import` statements, wherever they are in a module), not by importing it."""
+
+import ast
+import collections
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "clip_jax")
+MAX_LINES, MAX_TOP_LEVEL, MAX_ENTRY_LINES = 400, 8, 40
+
+
+def modules() -> dict[str, str]:
+    """{dotted name: path} of every module of the package."""
+    found = {}
+    for root, _, names in os.walk(PACKAGE):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                found[os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")] = path
+    return found
+
+
+def unit(module: str) -> str:
+    """The subpackage a module belongs to (`training`), the top-level module itself (`clip_jax.errors`), or
+    `clip_jax` for a name the package's `__init__` defines."""
+    parts = module.split(".")
+    if os.path.isdir(os.path.join(PACKAGE, parts[1])):
+        return parts[1]
+    if os.path.isfile(os.path.join(PACKAGE, parts[1] + ".py")):
+        return ".".join(parts[:2])
+    return "clip_jax"
+
+
+def imported_units(path: str) -> set[str]:
+    """The units (see `unit`) a module's import statements name."""
+    names = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return {unit(name) for name in names if name.startswith("clip_jax.")}
+
+
+def readme_order() -> list[str]:
+    layout = open(os.path.join(REPO, "README.md")).read().split("## Layout", 1)[1]
+    return re.findall(r"^clip_jax/(\w+)/ ", layout, re.M)
+
+
+def is_entry(path: str) -> bool:
+    """A thin command entry: `if __name__ == "__main__":` over another module's code, in a few lines."""
+    text = open(path).read()
+    return '__name__ == "__main__"' in text and len(text.splitlines()) <= MAX_ENTRY_LINES
+
+
+def test_each_subpackage_imports_only_those_the_readme_lists_before_it():
+    order = readme_order()
+    assert sorted(order) == sorted(name for name in os.listdir(PACKAGE)
+                                   if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py")))
+    imports = collections.defaultdict(set)
+    for module, path in modules().items():
+        imports[unit(module)] |= imported_units(path) - {unit(module)}
+    # the package's __init__ (which imports no subpackage: its names load on first use) and the top-level modules
+    # that are not command entries
+    shared = {u for u in imports if "." in u and not is_entry(os.path.join(REPO, *u.split(".")) + ".py")} - {
+        "clip_jax.__init__", "clip_jax.__main__"}
+    later = {s: sorted(t for t in imports[s] if t in order and order.index(t) > order.index(s)) for s in order}
+    assert not any(later.values()), f"subpackages importing one listed after them: {later}"
+    outside = {s: sorted(t for t in imports[s] if t.startswith("clip_jax.") and t not in shared) for s in order}
+    assert not any(outside.values()), f"subpackages importing a top-level module that is not shared: {outside}"
+    reaching = {m: sorted(t for t in imports[m] if t in order) for m in shared | {"clip_jax.__init__"}}
+    assert not any(reaching.values()), f"shared top-level modules importing a subpackage: {reaching}"
+    sentence = re.search(r"Each subpackage imports only those listed before it \(and the top-level ([^)]*)\)",
+                         open(os.path.join(REPO, "README.md")).read())
+    assert sentence and set(re.findall(r"\w+", sentence[1])) >= {m.split(".")[1] for m in shared}
+
+
+def test_no_module_is_over_400_lines():
+    long = {module: n for module, path in modules().items() if (n := len(open(path).read().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_top_level_holds_at_most_8_modules_besides_the_thin_command_entries():
+    top = [name for name in os.listdir(PACKAGE) if name.endswith(".py") and name not in ("__init__.py", "__main__.py")]
+    kept = sorted(name for name in top if not is_entry(os.path.join(PACKAGE, name)))
+    assert len(kept) <= MAX_TOP_LEVEL, kept
+    assert len(top) > len(kept)  # the entries are there, and recognised
+
+
+def test_no_file_keeps_a_merge_conflict_marker():
+    marker = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
+    skipped = {".git", ".venv", "__pycache__", "clipjax_train.egg-info"}
+    outputs = {os.path.join(REPO, "logs"), os.path.join(REPO, "data")}  # the demo's run and shards
+    found = []
+    for root, folders, names in os.walk(REPO):
+        folders[:] = [f for f in folders if f not in skipped and os.path.join(root, f) not in outputs]
+        for name in names:
+            if name.endswith((".py", ".md", ".sh", ".sbatch", ".txt", ".json", ".cfg", ".toml")) or name == "run":
+                path = os.path.join(root, name)
+                try:
+                    text = open(path, encoding="utf-8").read()
+                except UnicodeDecodeError:
+                    continue
+                found += [f"{os.path.relpath(path, REPO)}:{text[:m.start()].count(chr(10)) + 1}"
+                          for m in marker.finditer(text)]
+    assert not found, found
