@@ -224,11 +224,15 @@ def test_a_stop_signal_with_an_unread_bad_step_rolls_back_once_then_stops(shards
     assert trainer.rollbacks == 1 and trainer.skipped_updates == 1
 
 
+HALF_EPOCH = {"train_num_samples": 1024}  # 16 steps of 64
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_logs(shards, tmp_path_factory):
-    """The logs folder of a whole run of `tiny_config(shards, logs)`: 32 steps, checkpoints every 8. Read only."""
+    """The logs folder of a whole run of `tiny_config(shards, logs, **HALF_EPOCH)`: 16 steps, checkpoints every 8.
+    Read only."""
     logs = tmp_path_factory.mktemp("reference")
-    train_lib.train(tiny_config(shards, logs))
+    train_lib.train(tiny_config(shards, logs, **HALF_EPOCH))
     return logs
 
 
@@ -240,19 +244,19 @@ def uninterrupted(uninterrupted_logs):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
-    config = tiny_config(shards, tmp_path, resume="latest")
+    config = tiny_config(shards, tmp_path, resume="latest", **HALF_EPOCH)
     process = launch(config)
-    wait_for_step(tmp_path / "run", 19, process, checkpoint=16)
+    wait_for_step(tmp_path / "run", 11, process, checkpoint=8)
     process.kill()  # SIGKILL: no chance to save
     process.wait()
-    assert 16 in saved_steps(tmp_path / "run")
+    assert 8 in saved_steps(tmp_path / "run")
     resumed = launch(config)
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
     assert "resumed" in output
     got = losses(tmp_path / "run")
-    assert sorted(got) == list(range(1, 33))
-    np.testing.assert_allclose([got[s] for s in range(1, 33)], [uninterrupted[s] for s in range(1, 33)], rtol=1e-5)
+    assert sorted(got) == list(range(1, 17))
+    np.testing.assert_allclose([got[s] for s in range(1, 17)], [uninterrupted[s] for s in range(1, 17)], rtol=1e-5)
 
 
 @pytest.mark.subprocess
