@@ -116,7 +116,9 @@ def test_the_step_drops_the_patches_its_seed_and_step_counter_draw(params, batch
     after_resume, resumed = sgd_step(params, batch, step=5, seed=3)  # built again: a restarted process
     assert resumed["loss"] == metrics["loss"]
     assert sgd_step(params, batch, step=6, seed=3)[1]["loss"] != metrics["loss"]  # the next step: other patches
-    assert sgd_step(params, batch, step=5, seed=4)[1]["loss"] != metrics["loss"]  # another seed: other patches
+    # another seed: other patches (seed 0, the step `one_device_step` below compiles: the seed is part of the
+    # program, the step counter is not, so one of the two is read back from the session's compilation cache)
+    assert sgd_step(params, batch, step=5, seed=0)[1]["loss"] != metrics["loss"]
     assert np.array_equal(kept_for_step(3, 5), kept_for_step(3, 5))
 
 

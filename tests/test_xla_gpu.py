@@ -206,30 +206,45 @@ def test_gradients_cross_devices_in_float32_reduce_scattered_under_fsdp_all_redu
     assert narrow.bytes_by_dtype["all-reduce"].get("f32", 0) < 0.02 * weights
 
 
+# ViT-B-32's step without remat at 64 per H200 with cuDNN attention: the activation test compiles it in bf16 with
+# and without the 16-bit LayerNorm/GELU path, the FP8 test in fp8 and bf16; the bf16 one is shared (a fixture: a
+# deviceless XLA:GPU executable cannot be read back from the persistent compilation cache).
+B32_H200_BATCH = 64
+
+
+def b32_step_on_an_h200(precision: str):
+    return planner.compile_train_step(StepSpec("ViT-B-32", precision, "none", attention_impl="cudnn"),
+                                      create_mesh(gpu_devices("h200", 1, 1)), B32_H200_BATCH)
+
+
+@pytest.fixture(scope="module")
+def b32_bf16_step_on_an_h200():
+    """That step in bf16, compiled once for the two tests that read it."""
+    return b32_step_on_an_h200("bf16")
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-def test_a_bf16_step_without_remat_keeps_about_half_the_activation_bytes_of_autodiffs_layer_norm_and_gelu():
+def test_a_bf16_step_without_remat_keeps_about_half_the_activation_bytes_of_autodiffs_layer_norm_and_gelu(
+        b32_bf16_step_on_an_h200):
     """ViT-B-32, bf16, no remat, 64 per H200: beyond the train state, the step keeps 2.44 GiB with the LayerNorms'
     and GELUs' 16-bit path (their custom VJPs) against 4.44 GiB with autodiff's float32 copies (measured; ViT-L/14
     at 256: 66.4 against 126.6 GiB, benchmarks/RESULTS.md section 19)."""
-    mesh = create_mesh(gpu_devices("h200", 1, 1))
-    spec = StepSpec("ViT-B-32", "bf16", "none", attention_impl="cudnn")
-    lean = planner.StepMemory.of(planner.compile_train_step(spec, mesh, 64))
+    lean = planner.StepMemory.of(b32_bf16_step_on_an_h200)
     with mock.patch.object(layers, "is_16_bit", lambda dtype: False):
-        plain = planner.StepMemory.of(planner.compile_train_step(spec, mesh, 64))
+        plain = planner.StepMemory.of(b32_step_on_an_h200("bf16"))
     assert lean.argument == plain.argument
     assert (lean.total - lean.argument) <= 0.65 * (plain.total - plain.argument), (lean, plain)
 
 
 @pytest.mark.gpu_compile
-def test_fp8_runs_the_residual_blocks_matmuls_as_cublaslt_fp8_gemms_on_an_h200():
-    """Per tower, the scanned block's four forward products and their four input-gradient products are FP8 GEMMs;
-    the weight gradients and the rest stay 16-bit. The bf16 step has none."""
-    mesh = create_mesh(gpu_devices("h200", 1, 1))
+def test_fp8_runs_the_residual_blocks_matmuls_as_cublaslt_fp8_gemms_on_an_h200(b32_bf16_step_on_an_h200):
+    """ViT-B-32's step at 64 per H200: per tower, the scanned block's four forward products and their four
+    input-gradient products are FP8 GEMMs; the weight gradients and the rest stay 16-bit. The bf16 step (the
+    activation test's, compiled once for both) has none."""
     gemms = {}
-    for precision in ("fp8", "bf16"):
-        hlo = planner.compile_train_step(StepSpec(TINY, precision, "none", attention_impl="cudnn"), mesh, 8).as_text()
-        gemms[precision] = re.findall(r'custom_call_target="(__cublas\$lt\$matmul[^"]*)"', hlo)
+    for precision, step in (("fp8", b32_step_on_an_h200("fp8")), ("bf16", b32_bf16_step_on_an_h200)):
+        gemms[precision] = re.findall(r'custom_call_target="(__cublas\$lt\$matmul[^"]*)"', step.as_text())
     assert gemms["fp8"].count("__cublas$lt$matmul$f8") == 2 * 8
     assert "__cublas$lt$matmul$f8" not in gemms["bf16"]
     assert len(gemms["fp8"]) == len(gemms["bf16"])
