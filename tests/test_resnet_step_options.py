@@ -37,6 +37,7 @@ def _batches():
              "tokens": rng.integers(1, 50, size=(GLOBAL_BATCH, 8)).astype(np.int32)} for _ in range(STEPS)]
 
 
+@jax.jit  # also called outside a compiled function: one compile, not one per op
 def _clip_loss(image, text, scale):
     logits = scale * image @ text.T
     labels = jnp.arange(logits.shape[0])
@@ -52,10 +53,17 @@ def _micro_batch_rows(accum_steps: int) -> np.ndarray:
     return np.stack([rows[:, j].ravel() for j in range(accum_steps)])
 
 
+# The model's forward in train mode (the batch's statistics, the running ones updated) and in eval mode, each compiled
+# once for the module (op by op, the first train-mode forward alone took longer than compiling both)
+_train_forward = jax.jit(lambda variables, images, tokens: create_model(TINY_RN).apply(
+    variables, images, tokens, train=True, mutable=["batch_stats"]))
+_eval_forward = jax.jit(lambda variables, images, tokens: create_model(TINY_RN).apply(variables, images, tokens))
+
+
 def _reference(variables, accum_steps: int):
     """STEPS SGD steps on one device: each micro-batch through the model in train mode in turn (its own BatchNorm
     statistics, the running ones chained through them), the loss over all of their features, autodiff through the
-    whole loop."""
+    whole loop; each step (gradient, SGD, the scale's clamp) one compiled function."""
     model = create_model(TINY_RN)
     params, stats = variables["params"], variables["batch_stats"]
     micro_rows = _micro_batch_rows(accum_steps)
@@ -72,13 +80,18 @@ def _reference(variables, accum_steps: int):
         return _clip_loss(jnp.concatenate(images), jnp.concatenate(texts), scale), stats
 
     optimizer = optax.sgd(SGD_LR)
-    opt_state, losses = optimizer.init(params), []
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-    for batch in _batches():
-        (loss, stats), grads = grad_fn(params, stats, batch)
+
+    @jax.jit
+    def sgd_step(params, stats, opt_state, batch):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         params = {**params, "logit_scale": jnp.clip(params["logit_scale"], 0.0, LOGIT_SCALE_MAX)}
+        return params, stats, opt_state, loss
+
+    opt_state, losses = optimizer.init(params), []
+    for batch in _batches():
+        params, stats, opt_state, loss = sgd_step(params, stats, opt_state, batch)
         losses.append(float(loss))
     return losses, jax.tree.map(np.array, params), jax.tree.map(np.asarray, stats)
 
@@ -128,8 +141,8 @@ def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_lo
     _assert_matches(start, losses, state, _reference(start, accum_steps=2))
     assert int(state.batch_stats["visual"]["layer3"]["0"]["bn2"]["num_batches_tracked"]) == 2 * STEPS
     # the semantics matter: normalised with the whole batch's statistics, the first step's loss is another
-    model, batch = create_model(TINY_RN), _batches()[0]
-    whole_batch, _ = model.apply(start, batch["images"], batch["tokens"], train=True, mutable=["batch_stats"])
+    batch = _batches()[0]
+    whole_batch, _ = _train_forward(start, batch["images"], batch["tokens"])
     assert abs(float(_clip_loss(*whole_batch)) - losses[0]) > 1e-3
 
 
@@ -156,9 +169,9 @@ def test_a_locked_image_tower_with_frozen_bn_stats_is_frozen_batch_norm_included
     losses, after = _run_locked(start, freeze_bn_stats=True)
     jax.tree.map(np.testing.assert_array_equal, after.batch_stats, start["batch_stats"])
     # the first step's loss is that of the image tower in eval mode (running statistics), not in train mode
-    model, batch = create_model(TINY_RN), _batches()[0]
-    eval_loss = _clip_loss(*model.apply(start, batch["images"], batch["tokens"], train=False))
-    train_outputs, _ = model.apply(start, batch["images"], batch["tokens"], train=True, mutable=["batch_stats"])
+    batch = _batches()[0]
+    eval_loss = _clip_loss(*_eval_forward(start, batch["images"], batch["tokens"]))
+    train_outputs, _ = _train_forward(start, batch["images"], batch["tokens"])
     np.testing.assert_allclose(losses[0], float(eval_loss), rtol=1e-5)
     assert abs(float(_clip_loss(*train_outputs)) - losses[0]) > 1e-4
 
@@ -169,10 +182,10 @@ def test_a_locked_image_tower_keeps_batch_norm_in_train_mode_and_its_statistics_
     runs in train mode: normalised with the batch's statistics, the running ones updated by every step, as a
     train-mode forward of the frozen tower over each batch in turn updates them."""
     losses, after = _run_locked(start, freeze_bn_stats=False)
-    model, stats, outputs = create_model(TINY_RN), start["batch_stats"], []
+    stats, outputs = start["batch_stats"], []
     for batch in _batches():  # the image params never move, so each step sees the starting ones
-        out, updated = model.apply({"params": start["params"], "batch_stats": stats}, batch["images"],
-                                   batch["tokens"], train=True, mutable=["batch_stats"])
+        out, updated = _train_forward({"params": start["params"], "batch_stats": stats}, batch["images"],
+                                      batch["tokens"])
         stats = updated["batch_stats"]
         outputs.append(out)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), after.batch_stats,
@@ -182,7 +195,7 @@ def test_a_locked_image_tower_keeps_batch_norm_in_train_mode_and_its_statistics_
     assert int(first_block["num_batches_tracked"]) == STEPS
     # the first step's loss is that of the train-mode forward (the batch's statistics), not of the eval-mode one
     np.testing.assert_allclose(losses[0], float(_clip_loss(*outputs[0])), rtol=1e-5)
-    eval_loss = _clip_loss(*model.apply(start, _batches()[0]["images"], _batches()[0]["tokens"], train=False))
+    eval_loss = _clip_loss(*_eval_forward(start, _batches()[0]["images"], _batches()[0]["tokens"]))
     assert abs(float(eval_loss) - losses[0]) > 1e-4
 
 
