@@ -9,7 +9,6 @@ import os
 import shutil
 import tempfile
 
-import module_seconds
 import private_loopback
 import pytest
 from xla_flags import xla_flags
@@ -77,16 +76,6 @@ MARKERS = {
 def pytest_configure(config):
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False  # pytest-xdist: hand out the modules in the order below
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest modules first (tests/module_seconds.json; a module not in it counts as longest), each module's
-    tests in their own order: with `--dist loadfile` each worker takes the next module when it is nearly done with
-    its own, so the short ones fill the end and the two workers finish together."""
-    seconds = module_seconds.load()
-    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
 
 
 def pytest_unconfigure(config):
