@@ -100,6 +100,18 @@ def fashion_mnist_shards(tmp_path_factory, trainer_model_file):
     return first
 
 
+@pytest.fixture(scope="module")
+def orbax_writes_replicated_arrays_whole():
+    """For a module whose checkpoints are not about how Orbax splits its writes: an array replicated over the devices
+    is written from one of them (Orbax's default where JAX_PLATFORMS names a GPU), not in one slice per device (its
+    default otherwise, so here: each slice a program compiled on its own, seconds per save of an 8-device state)."""
+    import orbax.checkpoint as ocp
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ocp.type_handlers.get_type_handler(jax.Array), "_use_replica_parallel", False)
+        yield
+
+
 def pytest_report_header(config):
     return f"private loopback with MTU {private_loopback.MTU}: {'yes' if PRIVATE_LOOPBACK else 'no (not permitted)'}"
 

@@ -9,7 +9,6 @@ import json
 import jax
 import numpy as np
 import open_clip
-import orbax.checkpoint as ocp
 import pytest
 import torch
 from safetensors.numpy import load_file
@@ -35,6 +34,8 @@ RUN_RN = {
 STEPS, STOP_AT = 6, 3  # 384 samples, 64 a step
 EVAL = {"zeroshot_data": "demo", "zeroshot_samples": 64}
 
+pytestmark = pytest.mark.usefixtures("orbax_writes_replicated_arrays_whole")  # saves not split per device
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_compiled_step():
@@ -42,17 +43,6 @@ def one_compiled_step():
     compiled once (the resumed trainer still restores its state from the checkpoint)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_lib, "build_step", functools.cache(train_lib.build_step))
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def orbax_writes_replicated_arrays_whole():
-    """Orbax writes an array replicated over the devices from one of them, as it does by default where
-    JAX_PLATFORMS names a GPU, not split over them (its default otherwise, so here: each slice a program
-    compiled on its own, the first save of this module's runs took 10 s).
-    How the bytes are split is not what these tests check."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ocp.type_handlers.get_type_handler(jax.Array), "_use_replica_parallel", False)
         yield
 
 

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from tiny_model import SGD, SGD_LR, assert_same_update
 
@@ -132,17 +131,6 @@ def test_weight_decay_follows_open_clips_groups(start):
         assert np.all(decays == (not excluded)), key
     assert mask["visual.layer1.0.conv2.weight"].all() and not mask["visual.layer1.0.downsample.1.weight"].any()
     assert mask["visual.attnpool.positional_embedding"].all() and not mask["visual.attnpool.q_proj.bias"].any()
-
-
-@pytest.fixture
-def orbax_writes_replicated_arrays_whole():
-    """Orbax writes an array replicated over the devices from one of them, as it does by default where
-    JAX_PLATFORMS names a GPU, not split over them (its default otherwise, so here: each slice a program
-    compiled on its own, seconds per save of an 8-device state).
-    How the bytes are split is not what these tests check."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ocp.type_handlers.get_type_handler(jax.Array), "_use_replica_parallel", False)
-        yield
 
 
 @pytest.mark.slow
