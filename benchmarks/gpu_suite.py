@@ -104,6 +104,9 @@ def measure_clip_jax(spec: dict) -> dict:
 
     rounds = timed_rounds(run_steps, spec["steps"], spec["rounds"], spec["warmup"])
     samples_per_s = spec["batch"] * spec["steps"] / statistics.median(rounds)
+    kernels = None
+    if spec.get("profile_dir"):  # after the timed rounds, so the trace costs them nothing
+        kernels = profile_kernels(run_steps, compiled, spec)
     gpu = gpu_for_device_kind(device.device_kind)
     flops = train_flops(config)
     stats = device.memory_stats() or {}
@@ -117,6 +120,8 @@ def measure_clip_jax(spec: dict) -> dict:
         "device_kind": device.device_kind, "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+    if kernels is not None:
+        result["kernels"] = kernels
     m = result["xla_memory"]
     result["xla_memory"]["total"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
     if spec.get("planner_check"):
@@ -128,6 +133,54 @@ def measure_clip_jax(spec: dict) -> dict:
         estimate = plan.StepMemory.of(plan.compile_train_step(cpu_spec, cpu_mesh, spec["batch"]))
         result["planner_cpu_estimate_bytes"] = estimate.total
     return result
+
+
+PROFILED_STEPS = 2
+
+
+def profile_kernels(run_steps, compiled, spec: dict) -> dict:
+    """The device's kernels over PROFILED_STEPS steps, from a JAX profiler trace: per HLO instruction (the trace's
+    `hlo_op`), its kernels' total and count per step. With `spec["keep_raw"]`, the trace and the optimized HLO text
+    are also written to `spec["profile_dir"]` (the GPU's own program: autotuned, with Triton GEMMs). A failure here
+    never costs the measurement: it is reported instead."""
+    import glob
+    import gzip
+    import shutil
+    import tempfile
+
+    import jax
+
+    try:
+        trace_dir = tempfile.mkdtemp(prefix="gpu_suite_trace_")
+        with jax.profiler.trace(trace_dir):
+            run_steps(PROFILED_STEPS)
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+        ops: dict[str, dict] = {}
+        planes = list(data.planes)
+        devices = [plane for plane in planes if plane.name.startswith("/device:")]
+        for plane in devices or planes:  # the CPU smoke test: the host's XLA ops (those with an hlo_op)
+            for line in plane.lines:
+                for event in line.events:
+                    stats = dict(event.stats)
+                    if not devices and "hlo_op" not in stats:
+                        continue
+                    key = str(stats.get("hlo_op") or event.name)
+                    op = ops.setdefault(key, {"us": 0.0, "count": 0, "kernel": event.name[:120]})
+                    op["us"] += event.duration_ns / 1e3 / PROFILED_STEPS
+                    op["count"] += 1
+        for op in ops.values():
+            op["count"] = op["count"] / PROFILED_STEPS
+        name = spec["profile_name"]
+        if spec.get("keep_raw"):
+            out = pathlib.Path(spec["profile_dir"])
+            shutil.copy(path, out / f"{name}.xplane.pb")
+            with gzip.open(out / f"{name}.hlo.txt.gz", "wt") as f:
+                f.write(compiled.as_text())
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        return {"steps": PROFILED_STEPS, "ops": ops, "device_us_per_step": sum(o["us"] for o in ops.values())}
+    except Exception as error:  # noqa: BLE001 -- the profile is a by-product of the measurement
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
 
 
 def measure_open_clip(spec: dict) -> dict:
@@ -373,6 +426,9 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=500.0, help="seconds; later runs are skipped")
     parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds for one run")
     parser.add_argument("--no-planner-check", dest="planner_check", action="store_false")
+    parser.add_argument("--profile", action="store_true",
+                        help="specs phase: each clip_jax run also traces %d steps and records its kernels' times "
+                             "(the first run's trace and optimized HLO are written to --out)" % PROFILED_STEPS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(json.loads(args.one))), flush=True)
@@ -411,9 +467,12 @@ def main() -> None:
 
     for phase in phases:
         if phase == "specs":
-            for extra in json.loads(pathlib.Path(args.specs).read_text()):
-                run({**spec_for(args, extra["framework"], extra["precision"], extra["remat"], extra["batch"],
-                                extra.get("attention", "-")), **extra})
+            for index, extra in enumerate(json.loads(pathlib.Path(args.specs).read_text())):
+                spec = {**spec_for(args, extra["framework"], extra["precision"], extra["remat"], extra["batch"],
+                                   extra.get("attention", "-")), **extra}
+                if args.profile and spec["framework"] == "clip_jax":  # the first run's raw trace and HLO come back
+                    spec.update(profile_dir=str(out.resolve()), profile_name=f"spec{index}", keep_raw=index == 0)
+                run(spec)
         elif phase == "matmul":
             for precision in args.precisions:
                 run({**spec_for(args, "matmul", precision, "-", 1024 if args.tiny else 8192), "steps": 10})
