@@ -80,6 +80,7 @@ class GPU:
     tf32_tflops: float  # dense TF32 tensor-core peak (what fp32 matmuls run at by default)
     kind_patterns: tuple[str, ...]  # substrings of jax's device_kind that identify it
     target: GpuTarget | None = None  # for deviceless XLA:GPU compiles
+    link_bytes_per_s: float = 32e9  # to another GPU of its node, one direction: NVLink, else PCIe 4.0 x16 (datasheets)
 
     @property
     def memory_bytes(self) -> int:
@@ -113,17 +114,22 @@ MEMORY_FRACTION = 0.92
 A100_TARGET = dict(compute_capability=(8, 0), multiprocessors=108, clock_ghz=1.41, l2_cache_bytes=40 * 2**20)
 GPUS = {
     "a100-40gb": GPU("a100-40gb", 40960, 312, 156, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
-                     GpuTarget(**A100_TARGET, memory_bandwidth=1.555e12, source=_DATASHEET.format("8.0", "A100"))),
+                     GpuTarget(**A100_TARGET, memory_bandwidth=1.555e12, source=_DATASHEET.format("8.0", "A100")),
+                     link_bytes_per_s=300e9),
     "a100-80gb": GPU("a100-80gb", 81920, 312, 156, ("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB"),
-                     GpuTarget(**A100_TARGET, memory_bandwidth=2.039e12, source=_DATASHEET.format("8.0", "A100"))),
+                     GpuTarget(**A100_TARGET, memory_bandwidth=2.039e12, source=_DATASHEET.format("8.0", "A100")),
+                     link_bytes_per_s=300e9),
     "h100": GPU("h100", 81559, 989, 494.5, ("H100",),
-                GpuTarget((9, 0), 132, 1.98, 50 * 2**20, 3.35e12, _DATASHEET.format("9.0", "H100 SXM"))),
+                GpuTarget((9, 0), 132, 1.98, 50 * 2**20, 3.35e12, _DATASHEET.format("9.0", "H100 SXM")),
+                link_bytes_per_s=450e9),
     "h200": GPU("h200", 143771, 989, 494.5, ("H200",),
                 GpuTarget((9, 0), 132, 1.98, 60 * 2**20, 4.8e12,
                           "read off an H200 (2026-11-30): 132 multiprocessors, 60 MiB L2, 143,771 MiB, 1,980 MHz "
-                          "SM clock, compute capability 9.0; CUDA limits for 9.0; bandwidth: NVIDIA's datasheet")),
+                          "SM clock, compute capability 9.0; CUDA limits for 9.0; bandwidth: NVIDIA's datasheet"),
+                link_bytes_per_s=450e9),
     "b200": GPU("b200", 183359, 2250, 1100, ("B200",),
-                GpuTarget((10, 0), 148, 1.965, 126 * 2**20, 8.0e12, _DATASHEET.format("10.0", "B200"))),
+                GpuTarget((10, 0), 148, 1.965, 126 * 2**20, 8.0e12, _DATASHEET.format("10.0", "B200")),
+                link_bytes_per_s=900e9),
     "l40s": GPU("l40s", 46068, 362, 183, ("L40S",),
                 GpuTarget((8, 9), 142, 2.52, 96 * 2**20, 0.864e12, _DATASHEET.format("8.9", "L40S"))),
     "rtx4090": GPU("rtx4090", 24564, 165, 82.6, ("RTX 4090",),

@@ -19,11 +19,11 @@ import dataclasses
 import glob
 import importlib.util
 import logging
-import math
 import os
 import re
 
 from clip_jax.errors import InvalidInput, RunFailed
+from clip_jax.runtime import hlo_kernels
 from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
@@ -118,18 +118,7 @@ def compile_lowered(lowered):
 
 # -- reading the compiled step ---------------------------------------------------------------------------------
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8\w*)\[([\d,]*)\]")
-_CALLED = re.compile(r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")  # mesh['a'=8,'b'=1] {'a'}
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8}
+COLLECTIVES = hlo_kernels.COLLECTIVE_OPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,104 +138,17 @@ class Collectives:
         return ", ".join(parts) or "none"
 
 
-def _shape_bytes(text: str) -> dict[str, int]:
-    """The bytes of every buffer in a shape, {element type: bytes}."""
-    total: dict[str, int] = {}
-    for dtype, dims in _SHAPE.findall(text):
-        size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        total[dtype] = total.get(dtype, 0) + size * _BYTES.get(dtype, 1)
-    return total
-
-
-def _tuple_elements(shape: str) -> list[str]:
-    """The top-level elements of a tuple shape "(A, (B, C))" -> ["A", "(B, C)"]; a non-tuple shape is itself."""
-    if not shape.startswith("("):
-        return [shape]
-    elements, depth, start = [], 0, 1
-    for i, char in enumerate(shape):
-        if char in "({[":
-            depth += 1
-        elif char in ")}]":
-            depth -= 1
-        if (char == "," and depth == 1) or depth == 0:
-            elements.append(shape[start:i].strip())
-            start = i + 1
-        if depth == 0:
-            break
-    return elements
-
-
-def _collective_bytes(kind: str, result: str, line: str, started: bool) -> dict[str, int]:
-    """The bytes of the whole buffer taking part in one collective (see `Collectives`), by element type. An
-    all-gather-start or reduce-scatter-start returns (operands, results); an all-reduce-start, like the synchronous
-    ones, its results."""
-    parts = _tuple_elements(result)
-    paired = started and kind != "all-reduce" and len(parts) == 2
-    if kind == "reduce-scatter":
-        if paired:
-            return _shape_bytes(parts[0])
-        return {dtype: n * _group_size(line) for dtype, n in _shape_bytes(result).items()}
-    return _shape_bytes(parts[1] if paired else result)
-
-
-def _group_size(line: str) -> int:
-    iota = _GROUPS_IOTA.search(line)
-    if iota:
-        return int(iota[2])
-    mesh = _GROUPS_MESH.search(line)
-    if mesh:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
-        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", mesh[2]))
-    listed = _GROUPS_LIST.search(line)
-    return len(listed[1].split(",")) if listed else 1
-
-
 def collectives(hlo_text: str) -> Collectives:
     """The collectives of a compiled program (its `as_text()`), loop trips counted."""
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            current = header[1]
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None:
-            computations[current].append(line)
-    runs: dict[str, int] = {}
-
-    def visit(name: str, times: int) -> None:
-        runs[name] = runs.get(name, 0) + times
-        for line in computations.get(name, []):
-            trips = _TRIP_COUNT.search(line)
-            called = _CALLED.findall(line)
-            branches = _BRANCHES.search(line)
-            if branches:
-                called += [b.strip().lstrip("%") for b in branches[1].split(",")]
-            for callee in called:
-                if callee in computations:
-                    visit(callee, times * (int(trips[1]) if trips and f"body={callee}" in line.replace("%", "")
-                                           else 1))
-
-    if entry is not None:
-        visit(entry, 1)
     count = dict.fromkeys(COLLECTIVES, 0)
     by_dtype: dict[str, dict[str, int]] = {kind: {} for kind in COLLECTIVES}
-    for name, times in runs.items():
-        for line in computations[name]:
-            instruction = _INSTRUCTION.match(line)
-            if not instruction:
-                continue
-            result, opcode = instruction[1], instruction[2]
-            kind = opcode.removesuffix("-start")
-            if kind not in COLLECTIVES or opcode.endswith("-done"):
-                continue
-            count[kind] += times
-            for dtype, size in _collective_bytes(kind, result, line, opcode.endswith("-start")).items():
-                by_dtype[kind][dtype] = by_dtype[kind].get(dtype, 0) + times * size
+    for instruction, _, runs in hlo_kernels.launched(hlo_kernels.parse(hlo_text)):
+        kind = instruction.opcode.removesuffix("-start")
+        if kind not in COLLECTIVES:
+            continue
+        count[kind] += runs
+        for dtype, size in hlo_kernels.collective_bytes(instruction).items():
+            by_dtype[kind][dtype] = by_dtype[kind].get(dtype, 0) + runs * size
     return Collectives(count, {kind: sum(by_dtype[kind].values()) for kind in COLLECTIVES}, by_dtype)
 
 
