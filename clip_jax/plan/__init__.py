@@ -16,14 +16,18 @@ Measured and modelled, as the output labels them:
   attention;
 - FLOPs per sample: analytic (`clip_jax.models.flops`) and XLA:CPU's cost analysis of the compiled programs (XLA:GPU
   gives none);
-- speed: a model, samples/s = MFU x peak FLOP/s / model FLOPs per sample, at a stated MFU;
+- speed: with XLA:GPU, predicted from the compiled program (`step_time`: each kernel's FLOPs or bytes at rates
+  fitted on H200 measurements, a launch cost, collectives at the links' datasheet speed), with the step split by
+  part and the kernels that take longest; otherwise (or with `--mfu`) samples/s = MFU x peak FLOP/s / model FLOPs
+  per sample, at a stated MFU;
 - data loading: the input pipeline's measured rate per CPU core;
 - time, GPU-hours and cost: arithmetic on the above.
 
 The modules, in the order a plan is made: `steps` (the trainer's step, compiled through
 `clip_jax.training.step_factory`), `memory` (XLA's memory analysis and the searches over it), `flops` (XLA's FLOPs with
-every scanned block counted), `cost` (the speed model, the run's length, other GPUs), `planner` (`plan`, which returns a
-`Plan` of `result`'s frozen values), `report` (the text and the JSON), and `__main__` (the command line).
+every scanned block counted), `step_time` (the step's time from its kernels), `cost` (the MFU rule, the run's length,
+other GPUs), `planner` (`plan`, which returns a `Plan` of `result`'s frozen values), `report` (the text and the
+JSON), and `__main__` (the command line).
 """
 
 from clip_jax.plan.flops import FlopsPerSample, flops_per_sample

@@ -1,7 +1,9 @@
 """The modelled part of a plan: speed at a stated MFU, data loading, the run's length and cost, other GPUs.
 
-Speed is not measured here (no GPU runs anything): samples/s = MFU x peak FLOP/s / model FLOPs per sample, with
-clip_jax's own measured MFU where there is one and the published reference run's otherwise.
+The MFU rule: samples/s = MFU x peak FLOP/s / model FLOPs per sample, with clip_jax's own measured MFU where there is
+one and the published reference run's otherwise. It is the planner's speed where no XLA:GPU program is compiled (or
+`--mfu` is given); with one, `clip_jax.plan.step_time` predicts the step from its kernels and the rule is reported
+beside it.
 """
 
 from clip_jax.models import get_model_config

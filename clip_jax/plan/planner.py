@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import jax
 
-from clip_jax.errors import InvalidInput
+from clip_jax.errors import InvalidInput, UserError
 from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
 from clip_jax.models.precision import check_fp8
@@ -15,9 +15,11 @@ from clip_jax.plan.flops import analytic_only, flops_per_sample
 from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
                                   largest_fitting_batch, memory_savers, smallest_accum, state_bytes_per_device)
 from clip_jax.plan.report import size
-from clip_jax.plan.result import DataLoading, MemoryPerDevice, ParameterCounts, Plan, Setup, StepProgram, Throughput
+from clip_jax.plan.result import (DataLoading, KernelRow, MemoryPerDevice, ParameterCounts, Plan, PredictedStep, Setup,
+                                  StepProgram, Throughput)
+from clip_jax.plan import step_time
 from clip_jax.plan.steps import CompiledSteps, planned_spec
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import hlo_kernels, xla_gpu
 from clip_jax.runtime.hardware import MEMORY_FRACTION, get_gpu
 from clip_jax.runtime.mesh import create_mesh
 from clip_jax.training.remat_choice import resolve_auto_remat
@@ -71,6 +73,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
     if compiler not in ("cpu", "gpu"):
         raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")
+    nodes = 1
     if compiler == "gpu":
         nodes, per_node = xla_gpu.parse_topology(topology, num_gpus)
         devices = xla_gpu.devices(gpu, nodes, per_node)
@@ -89,8 +92,23 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     mesh = mesh_for(setup, devices)
     budget = int(gpu.memory_bytes * memory_fraction)
     compiled_step = CompiledSteps(mesh, where, progress)
-    setup, remat_choice = resolve_auto_remat(setup, mesh, batch_size, usable=budget,
-                                             compile_step=lambda s, b: compiled_step(s, b, accum_freq))
+
+    def first_compiles(setup: StepSpec):
+        setup, remat_choice = resolve_auto_remat(setup, mesh, batch_size, usable=budget,
+                                                 compile_step=lambda s, b: compiled_step(s, b, accum_freq))
+        return setup, remat_choice, StepMemory.of(compiled_step(setup, batch_size, accum_freq))
+
+    notes = []
+    try:
+        setup, remat_choice, planned = first_compiles(setup)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- XLA's and JAX's refusals of a step for this target
+        if compiler != "gpu":
+            raise
+        setup, remat_choice, planned, note = _plan_without_cudnn(setup, error, gpu, first_compiles)
+        notes.append(note)
+        progress(note)
     if remat_choice is not None:
         progress(remat_choice.describe())
     memory_probes: dict[int, int] = {}
@@ -100,7 +118,6 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         return memory_probes[b]
 
     # Memory of the planned step, the largest batch, accumulation.
-    planned = StepMemory.of(compiled_step(setup, batch_size, accum_freq))
     if accum_freq == 1:
         memory_probes[batch_size] = planned.total
     try:
@@ -121,10 +138,11 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         accum_needed = 1  # the whole per-device batch fits without accumulating
 
     # What XLA:GPU's program does besides: its collectives and whether cuDNN's fused attention runs.
-    step_program = None
+    step_program = predicted = None
     if compiler == "gpu":
         hlo = compiled_step(setup, batch_size, accum_needed or accum_freq).as_text()
         step_program = StepProgram(xla_gpu.collectives(hlo), xla_gpu.fused_attention(hlo))
+        predicted = step_time.predict(hlo_kernels.kernels(hlo), step_time.KernelRates.of(gpu), nodes)
 
     # FLOPs, counted on the step without accumulation at the per-device micro-batch (by XLA:CPU, on one device
     # when XLA:GPU compiled the rest: its cost analysis is empty).
@@ -138,11 +156,14 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     else:
         flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))
 
-    # Speed, data loading, time and cost.
+    # Speed: predicted from XLA:GPU's program where there is one (a given --mfu wins), else the MFU rule. Then data
+    # loading, time and cost.
     mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
-    rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
+    rule_rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
     if (accum_needed or 1) > 1:  # features are computed twice: one more forward per sample
-        rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, train=True))
+        rule_rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, train=True))
+    predicted_rate = batch_size / predicted.seconds if predicted is not None else None
+    rate = predicted_rate if predicted_rate is not None and mfu is None else rule_rate
     global_batch = batch_size * num_gpus
     run = run_length(config, global_batch, rate * num_gpus, num_gpus, price)
     fit = affine_fit(memory_probes)
@@ -167,10 +188,56 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
             largest_batch=largest, largest_batch_compiles=len(memory_probes) if search_batch else 0,
             accum_freq_needed=accum_needed, bytes_per_sample_fit=fit[1] if fit else None),
         throughput=Throughput(mfu=mfu_value, mfu_source=mfu_source, peak_tflops=gpu.peak_tflops(setup.precision),
-                              samples_per_s_per_gpu=rate, samples_per_s=rate * num_gpus),
+                              samples_per_s_per_gpu=rate, samples_per_s=rate * num_gpus,
+                              mfu_rule_samples_per_s_per_gpu=rule_rate, predicted_samples_per_s=predicted_rate,
+                              predicted_step_split=dict(predicted.split) if predicted is not None else None),
         step_program=step_program,
         data_loading=DataLoading(samples_per_core_s=pipeline_rate, cores_per_gpu=rate / pipeline_rate,
                                  workers_per_process=config.workers),
         run=run,
         gpu_table=table,
+        predicted_step=_predicted_step(predicted, gpu) if predicted is not None else None,
+        notes=tuple(notes),
     )
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _plan_without_cudnn(setup: StepSpec, error: Exception, gpu, first_compiles):
+    """XLA:GPU refused the step for this GPU. Where cuDNN's attention is what it refused, plan the step with XLA's
+    attention and say so; otherwise one line naming what the compiler said."""
+    reason = _first_line(error)
+    if setup.attention_impl != "cudnn":
+        raise InvalidInput(f"XLA:GPU cannot compile this step for the {gpu.name}: {reason}") from None
+    try:
+        compiled = first_compiles(dataclasses.replace(setup, attention_impl="xla"))
+    except UserError:
+        raise
+    except Exception as second:  # noqa: BLE001
+        raise InvalidInput(f"XLA:GPU cannot compile this step for the {gpu.name}: {reason} (nor with XLA's "
+                           f"attention: {_first_line(second)})") from None
+    note = (f"XLA:GPU cannot compile this step with cuDNN's fused attention for the {gpu.name} ({reason}): planned "
+            "with XLA's attention, which the run needs too: set attention_impl='xla'")
+    return (*compiled, note)
+
+
+PROFILE_LENGTH = 15  # kernels in the deviceless profile
+
+
+def _predicted_step(predicted: step_time.StepTime, gpu) -> PredictedStep:
+    def row(timed: step_time.KernelTime) -> KernelRow:
+        k = timed.kernel
+        return KernelRow(kernel=k.name, part=timed.part, operation=step_time.model_operation(k.op_name) or k.opcode,
+                         runs=k.runs, seconds=timed.seconds, share=timed.seconds / predicted.seconds,
+                         bound=timed.bound)
+
+    fit = step_time.H200_FIT
+    calibration = f"efficiencies fitted on {fit.fitted_on}"
+    if gpu.name != "h200":
+        calibration += f", applied to the {gpu.name}'s datasheet peaks and memory bandwidth: not measured on one"
+    return PredictedStep(seconds=predicted.seconds, calibration=calibration,
+                         slowest=tuple(row(k) for k in predicted.slowest(PROFILE_LENGTH)),
+                         unknown=tuple(row(k) for k in predicted.unknown))

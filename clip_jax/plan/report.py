@@ -80,9 +80,10 @@ def _gpu_table_lines(p: Plan) -> list[str]:
 
 def format_plan(p: Plan) -> str:
     """The plan as a human-readable report."""
-    s, f, t, params = p.setup, p.flops_per_sample, p.throughput, p.parameters
+    s, f, params = p.setup, p.flops_per_sample, p.parameters
     lines = [
         f"plan: {p.model} on {p.gpus} x {p.gpu}",
+        *(f"  note: {note}" for note in p.notes),
         (f"  {s.precision}, remat {s.remat_policy}, fsdp {'on' if s.fsdp else 'off'}, attention "
          f"{s.attention}; per-device batch {s.batch_size}, accum_freq {s.accum_freq}, global batch "
          f"{s.global_batch:,}"),
@@ -103,12 +104,7 @@ def format_plan(p: Plan) -> str:
                      + f"{'+' + _gflop(f.remat_extra_analytic):>9}  {remat_xla:>11}"
                      "   analytic: every block again (upper bound)")
     lines += ["", *_memory_lines(p), *_step_program_lines(p)]
-    lines += [
-        "",
-        "throughput (modelled: MFU x peak / model FLOPs)",
-        f"  MFU {t.mfu:.1%} of the {s.precision} peak {t.peak_tflops:g} TFLOP/s ({t.mfu_source})",
-        f"  {t.samples_per_s_per_gpu:.1f} samples/s per GPU, {t.samples_per_s:,.0f} samples/s on {p.gpus}",
-    ]
+    lines += ["", *_throughput_lines(p), *_profile_lines(p)]
     d = p.data_loading
     lines += [
         "",
@@ -131,5 +127,45 @@ def format_plan(p: Plan) -> str:
         lines += ["", ("measured here: parameters, FLOPs and memory, by compiling the step with XLA:CPU (XLA:GPU fuses "
                        "and schedules differently, and cuDNN attention keeps no score matrix: install '.[gpu]' for "
                        "its figures);")]
-    lines.append("modelled: speed, time and cost, from the MFU above")
+    lines.append("modelled: speed, time and cost, from the " + ("step predicted above" if p.throughput.predicted_samples_per_s
+                                                                 is not None and p.throughput.mfu_source != "given (--mfu)"
+                                                                 else "MFU above"))
     return "\n".join(lines)
+
+
+def _throughput_lines(p: Plan) -> list[str]:
+    s, t = p.setup, p.throughput
+    rule = (f"MFU {t.mfu:.1%} of the {s.precision} peak {t.peak_tflops:g} TFLOP/s ({t.mfu_source})")
+    if t.predicted_samples_per_s is None:
+        return ["throughput (modelled: MFU x peak / model FLOPs)", f"  {rule}",
+                f"  {t.samples_per_s_per_gpu:.1f} samples/s per GPU, {t.samples_per_s:,.0f} samples/s on {p.gpus}"]
+    step = p.predicted_step
+    predicted = t.predicted_samples_per_s
+    lines = ["throughput (predicted from the compiled XLA:GPU program: each kernel's FLOPs or bytes at fitted rates)",
+             f"  {predicted:.1f} samples/s per GPU, {predicted * p.gpus:,.0f} samples/s on {p.gpus}: "
+             f"a step of {step.seconds * 1e3:.1f} ms at {s.batch_size} per GPU",
+             "  step split: " + ", ".join(f"{part} {seconds * 1e3:.1f} ms ({seconds / step.seconds:.0%})"
+                                          for part, seconds in t.predicted_step_split.items()),
+             f"  {step.calibration}",
+             f"  the MFU rule instead: {rule}: {t.mfu_rule_samples_per_s_per_gpu:.1f} samples/s per GPU"]
+    if t.mfu_source == "given (--mfu)":
+        lines.append(f"  the run below takes the given MFU's {t.samples_per_s_per_gpu:.1f} samples/s per GPU")
+    return lines
+
+
+def _profile_lines(p: Plan) -> list[str]:
+    step = p.predicted_step
+    if step is None:
+        return []
+    lines = ["", f"deviceless profile: the {len(step.slowest)} kernels with the most predicted time, per step",
+             f"  {'ms':>8} {'share':>6} {'runs':>5}  {'part':<12}{'bound':<8}kernel: model operation"]
+    for row in step.slowest:
+        lines.append(f"  {row.seconds * 1e3:>8.2f} {row.share:>6.1%} {row.runs:>5}  {row.part:<12}{row.bound:<8}"
+                     f"{row.kernel}: {row.operation}")
+    if step.unknown:
+        share = sum(row.share for row in step.unknown)
+        names = ", ".join(f"{row.kernel} ({row.operation})" for row in step.unknown[:5])
+        more = f" and {len(step.unknown) - 5} more" if len(step.unknown) > 5 else ""
+        lines.append(f"  {len(step.unknown)} kernels without a cost rule, costed as memory-bound: {names}{more}: "
+                     f"{share:.1%} of the step")
+    return lines

@@ -58,13 +58,40 @@ class MemoryPerDevice:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-    """Modelled: MFU x peak / model FLOPs."""
+    """The speed the run's length is computed at: predicted from the compiled XLA:GPU program where there is one
+    (`predicted_*`), else the MFU rule (MFU x peak / model FLOPs). `mfu` and `mfu_source` are the rule's either way."""
 
     mfu: float
     mfu_source: str
     peak_tflops: float
-    samples_per_s_per_gpu: float
+    samples_per_s_per_gpu: float  # the speed used: the prediction where there is one, else the MFU rule's
     samples_per_s: float
+    mfu_rule_samples_per_s_per_gpu: float | None = None
+    predicted_samples_per_s: float | None = None  # per GPU, from the compiled program (clip_jax.plan.step_time)
+    predicted_step_split: dict[str, float] | None = None  # seconds per step: step_time.CLASSES
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRow:
+    """One kernel of the predicted step (a line of the deviceless profile)."""
+
+    kernel: str  # the HLO instruction
+    part: str  # one of clip_jax.plan.step_time.CLASSES
+    operation: str  # the model operation it comes from (the HLO's op_name, shortened)
+    runs: int  # per step
+    seconds: float  # per step, every run, launches not counted
+    share: float  # of the predicted step
+    bound: str  # "compute", "memory" or "link"
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictedStep:
+    """The step's time predicted from its compiled XLA:GPU program."""
+
+    seconds: float
+    calibration: str  # where the efficiencies come from, and whether this GPU was measured
+    slowest: tuple[KernelRow, ...]  # the kernels with the most predicted time
+    unknown: tuple[KernelRow, ...]  # kernels without a cost rule, costed as memory-bound elementwise work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +155,8 @@ class Plan:
     data_loading: DataLoading
     run: RunLength | None  # None without train_num_samples
     gpu_table: tuple[GpuRow, ...]
+    predicted_step: PredictedStep | None = None  # XLA:GPU only
+    notes: tuple[str, ...] = ()  # what the planner changed to make a plan, in words
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -135,8 +164,12 @@ class Plan:
         program = d["step_program"]
         if program is not None:
             program = StepProgram(Collectives(**program["collectives"]), program["fused_attention_calls"])
+        predicted = d.get("predicted_step")
+        if predicted is not None:
+            rows = lambda key: tuple(KernelRow(**row) for row in predicted[key])
+            predicted = PredictedStep(predicted["seconds"], predicted["calibration"], rows("slowest"), rows("unknown"))
         return cls(d["config"], d["model"], d["gpu"], d["gpus"], Setup(**d["setup"]),
                    ParameterCounts(**d["parameters"]), FlopsPerSample(**d["flops_per_sample"]),
                    MemoryPerDevice(**d["memory_per_device"]), Throughput(**d["throughput"]), program,
                    DataLoading(**d["data_loading"]), None if d["run"] is None else RunLength(**d["run"]),
-                   tuple(GpuRow(**row) for row in d["gpu_table"]))
+                   tuple(GpuRow(**row) for row in d["gpu_table"]), predicted, tuple(d.get("notes", ())))

@@ -15,183 +15,28 @@ tuples, bitcasts, the loops themselves). `kernels(text)` lists them, each with
 - `runs`: how many times it runs per step (the trip counts of the loops it is in, multiplied);
 - `op_name`: the model operation it comes from (the HLO's metadata), for a profile a person can read.
 
-Only what the text states is used; nothing is timed here (`clip_jax.plan.step_time` turns kernels into seconds).
+Only what the text states is used (read by `clip_jax.runtime.hlo_text`); nothing is timed here
+(`clip_jax.plan.step_time` turns kernels into seconds).
 """
 
 import dataclasses
-import json
 import math
 import re
 
-# Instructions that launch nothing: bookkeeping, control flow (its computations' kernels are counted), and the
-# "done" halves of asynchronous pairs (the "start" half is the kernel).
+from clip_jax.runtime.hlo_text import (TRIP_COUNT, Array, Computation, Instruction, arrays, closing, parse,
+                                       shape_bytes, tuple_elements)
+
+# Instructions that launch nothing: bookkeeping and control flow (its computations' kernels are counted). The
+# "done" half of an asynchronous pair ("all-reduce-done", "fusion-done", ...) is not one either: the "start" is.
 NOT_KERNELS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call", "after-all",
-    "opt-barrier", "add-dependency", "domain", "partition-id", "replica-id", "async-done", "all-gather-done",
-    "all-reduce-done", "collective-permute-done", "copy-done", "send-done", "recv-done", "async-update",
-    "fusion-done",
+    "opt-barrier", "add-dependency", "domain", "partition-id", "replica-id", "async-update",
 })
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # $f8 is a suffix of the second
 CONV_TARGET = "__cudnn$conv"
 ATTENTION_TARGET = "__cudnn$fmha"
-ELEMENT_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 SLICING_OPS = ("dynamic-slice", "slice", "gather")
-
-_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_NAME = re.compile(r"%([\w.\-]+)")
-_CALLED = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-    dtype: str
-    dims: tuple[int, ...]
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.dims)
-
-    @property
-    def bytes(self) -> float:
-        return self.elements * ELEMENT_BYTES.get(self.dtype, 1 if self.dtype.startswith("f8") else 4)
-
-
-def arrays(shape: str) -> list[Array]:
-    """Every array of a shape's text ("bf16[2,3]{1,0}", or a tuple of them), in order."""
-    return [Array(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(shape)]
-
-
-def tuple_elements(shape: str) -> list[str]:
-    """The top-level elements of a tuple shape's text, "(A, (B, C))" -> ["A", "(B, C)"]; an array is itself."""
-    if not shape.startswith("("):
-        return [shape]
-    elements, depth, start = [], 0, 1
-    for i, char in enumerate(shape):
-        depth += char in "({[" and 1 or (-1 if char in ")}]" else 0)
-        if (char == "," and depth == 1) or depth == 0:
-            element = re.sub(r"/\*[^*]*\*/", "", shape[start:i]).strip()
-            if element:
-                elements.append(element)
-            start = i + 1
-        if depth == 0:
-            break
-    return elements
-
-
-def shape_bytes(shape: str) -> float:
-    return sum(a.bytes for a in arrays(shape))
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    name: str
-    shape: str  # the result's shape text
-    opcode: str
-    operand_text: str  # inside the parentheses: operand names, or a parameter's number
-    attributes: str  # everything after the operand list
-    root: bool = False
-
-    @property
-    def operands(self) -> tuple[str, ...]:
-        return tuple(_NAME.findall(self.operand_text))
-
-    def called(self) -> list[tuple[str, str]]:
-        """(role, computation) pairs: body, condition, calls, to_apply, branch."""
-        pairs = _CALLED.findall(self.attributes)
-        branches = _BRANCHES.search(self.attributes)
-        if branches:
-            pairs += [("branch", b.strip().lstrip("%")) for b in branches[1].split(",") if b.strip()]
-        return pairs
-
-    @property
-    def op_name(self) -> str:
-        found = _OP_NAME.search(self.attributes)
-        return found[1].replace("\\'", "'") if found else ""
-
-    @property
-    def target(self) -> str:
-        found = _TARGET.search(self.attributes)
-        return found[1] if found else ""
-
-    def backend_config(self) -> dict:
-        start = self.attributes.find("backend_config={")
-        if start < 0:
-            return {}
-        try:
-            return json.JSONDecoder().raw_decode(self.attributes[start + len("backend_config="):])[0]
-        except ValueError:
-            return {}
-
-
-@dataclasses.dataclass
-class Computation:
-    name: str
-    instructions: dict[str, Instruction]
-    entry: bool = False
-
-    @property
-    def root(self) -> Instruction:
-        return next(i for i in self.instructions.values() if i.root)
-
-    def parameter(self, number: int) -> Instruction | None:
-        return next((i for i in self.instructions.values()
-                     if i.opcode == "parameter" and i.operand_text.strip() == str(number)), None)
-
-    def users(self, name: str) -> list[Instruction]:
-        return [i for i in self.instructions.values() if name in i.operands]
-
-
-def _split_instruction(text: str) -> tuple[str, str, str, str] | None:
-    """"SHAPE opcode(OPERANDS), ATTRIBUTES" -> its four parts (shapes and operand lists may nest brackets)."""
-    if text.startswith("("):
-        end = _closing(text, 0)
-        shape, rest = text[:end + 1], text[end + 1:].lstrip()
-    else:
-        shape, _, rest = text.partition(" ")
-    match = re.match(r"([\w\-]+)\(", rest)
-    if not match:
-        return None
-    open_at = match.end() - 1
-    close_at = _closing(rest, open_at)
-    return shape, match[1], rest[open_at + 1:close_at], rest[close_at + 1:].lstrip(", ")
-
-
-def _closing(text: str, start: int) -> int:
-    """The index of the bracket that closes the one at `start`."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "({[":
-            depth += 1
-        elif text[i] in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i
-    return len(text) - 1
-
-
-def parse(hlo_text: str) -> dict[str, Computation]:
-    """The computations of an HLO module's text, by name."""
-    computations: dict[str, Computation] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            current = computations[header[2]] = Computation(header[2], {}, entry=bool(header[1]))
-            continue
-        match = _INSTRUCTION.match(line) if current is not None else None
-        parts = match and _split_instruction(match[3])
-        if parts:
-            instruction = Instruction(match[2], *parts, root=bool(match[1]))
-            current.instructions[instruction.name] = instruction
-    return computations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +85,7 @@ def launched(computations: dict[str, Computation]) -> list[tuple[Instruction, Co
 
     def visit(computation: Computation, runs: int) -> None:
         for instruction in computation.instructions.values():
-            trips = _TRIP_COUNT.search(instruction.attributes)
+            trips = TRIP_COUNT.search(instruction.attributes)
             for role, callee in instruction.called():
                 if callee not in computations:
                     continue
@@ -251,7 +96,7 @@ def launched(computations: dict[str, Computation]) -> list[tuple[Instruction, Co
                 elif role == "branch" or (role in ("calls", "true_computation", "false_computation")
                                           and instruction.opcode in ("call", "async-start", "conditional")):
                     visit(computations[callee], runs)  # every branch counted: an upper bound
-            if instruction.opcode not in NOT_KERNELS:
+            if instruction.opcode not in NOT_KERNELS and not instruction.opcode.endswith("-done"):
                 found.append((instruction, computation, runs))
 
     visit(entry, 1)
@@ -376,7 +221,7 @@ def _attention_flops(instruction: Instruction, operands: list) -> float:
     at = instruction.attributes.find("operand_layout_constraints={")
     if at >= 0:  # the operands as the library takes them, [B, S, H, D]
         open_at = at + len("operand_layout_constraints=")
-        shapes = arrays(instruction.attributes[open_at:_closing(instruction.attributes, open_at)])
+        shapes = arrays(instruction.attributes[open_at:closing(instruction.attributes, open_at)])
     else:
         shapes = [arrays(o.shape)[0] for o in operands[:2] if o is not None]
     query, key = shapes[0], shapes[1]  # [B, S, H, D]

@@ -24,6 +24,7 @@ import re
 
 from clip_jax.errors import InvalidInput, RunFailed
 from clip_jax.runtime import hlo_kernels
+from clip_jax.runtime.hlo_text import parse as parse_hlo
 from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
@@ -142,7 +143,7 @@ def collectives(hlo_text: str) -> Collectives:
     """The collectives of a compiled program (its `as_text()`), loop trips counted."""
     count = dict.fromkeys(COLLECTIVES, 0)
     by_dtype: dict[str, dict[str, int]] = {kind: {} for kind in COLLECTIVES}
-    for instruction, _, runs in hlo_kernels.launched(hlo_kernels.parse(hlo_text)):
+    for instruction, _, runs in hlo_kernels.launched(parse_hlo(hlo_text)):
         kind = instruction.opcode.removesuffix("-start")
         if kind not in COLLECTIVES:
             continue
