@@ -139,8 +139,9 @@ PROFILED_STEPS = 2
 
 
 def profile_kernels(run_steps, compiled, spec: dict) -> dict:
-    """The device's kernels over PROFILED_STEPS steps, from a JAX profiler trace: per HLO instruction (the trace's
-    `hlo_op`), its kernels' total and count per step. With `spec["keep_raw"]`, the trace and the optimized HLO text
+    """The device's kernels over PROFILED_STEPS steps, from a JAX profiler trace: per kernel name (XLA's fusions
+    carry their HLO name; a CUDA graph's kernels share one `hlo_op`, so the name is the finer key), its total time,
+    launches per step and the `hlo_op` it ran under. With `spec["keep_raw"]`, the trace and the optimized HLO text
     are also written to `spec["profile_dir"]` (the GPU's own program: autotuned, with Triton GEMMs). A failure here
     never costs the measurement: it is reported instead."""
     import glob
@@ -165,8 +166,7 @@ def profile_kernels(run_steps, compiled, spec: dict) -> dict:
                     stats = dict(event.stats)
                     if not devices and "hlo_op" not in stats:
                         continue
-                    key = str(stats.get("hlo_op") or event.name)
-                    op = ops.setdefault(key, {"us": 0.0, "count": 0, "kernel": event.name[:120]})
+                    op = ops.setdefault(event.name[:160], {"us": 0.0, "count": 0, "hlo_op": str(stats.get("hlo_op", ""))})
                     op["us"] += event.duration_ns / 1e3 / PROFILED_STEPS
                     op["count"] += 1
         for op in ops.values():
