@@ -3,6 +3,10 @@
 ml_collections checks `--config.FIELD=VALUE` overrides while absl parses the flags, before `main` runs, and a
 field the config lacks surfaces there as a long traceback. `run` parses the flags itself, names the unknown field
 and the closest one the config has, and exits 2 like every other user error (see clip_jax.errors).
+
+A config file is plain Python that starts from the command's `default_config()` and sets fields, so a misspelled
+field (`c.batchsize = 128`) would only add a field nobody reads. A command that names its defaults
+(`expect_fields`) has every field its config file sets checked against them as the file loads, all named at once.
 """
 
 import difflib
@@ -15,6 +19,12 @@ from absl import app, flags
 
 CONFIG_FLAG = "config"
 USAGE_ERROR = 2
+_DEFAULTS: dict[str, Callable[[], ml_collections.ConfigDict]] = {}  # config flag -> the command's default_config
+
+
+def expect_fields(defaults: Callable[[], ml_collections.ConfigDict], config_flag: str = CONFIG_FLAG) -> None:
+    """Check the config file `--config_flag` loads against the fields `defaults()` has (see the module's docstring)."""
+    _DEFAULTS[config_flag] = defaults
 
 
 def run(main: Callable[[list[str]], object], config_flag: str = CONFIG_FLAG) -> None:
@@ -31,6 +41,10 @@ def parse_flags(argv: Sequence[str], config_flag: str = CONFIG_FLAG) -> list[str
         if not os.path.isfile(path.split(":", 1)[0]):  # "file.py:arg" passes arg to get_config
             exit_with(f"--{config_flag}={path}: no such config file")
         loaded.append(load(path))
+        if config_flag in _DEFAULTS:
+            unknown = unknown_fields(loaded[-1], _DEFAULTS[config_flag]())
+            if unknown:
+                exit_with(f"--{config_flag}={path} sets " + "; ".join(unknown) + ": fix the name in the file")
         return loaded[-1]
 
     parser.parse = load_and_keep
@@ -78,9 +92,23 @@ def unknown_field(config: ml_collections.ConfigDict, paths: Iterator[str], confi
     return None
 
 
-def field_paths(config: ml_collections.ConfigDict, prefix: str = "") -> Iterator[str]:
+def unknown_fields(config: ml_collections.ConfigDict | dict, defaults: ml_collections.ConfigDict) -> list[str]:
+    """"FIELD, which is no config field (did you mean 'CLOSEST'?)" for each field of `config` (a config, or the
+    fields of a saved `config.json`) that `defaults` lacks, nested ones where the default is itself a config."""
+    known = list(field_paths(defaults))
+    problems = []
+    for path in field_paths(config):
+        parent = path.rsplit(".", 1)[0] if "." in path else None
+        if path in known or (parent is not None and parent not in known):
+            continue  # known, or inside a field that is itself unknown (named once, as that field)
+        close = difflib.get_close_matches(path, known, n=1)
+        problems.append(f"{path}, which is no config field" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return problems
+
+
+def field_paths(config: ml_collections.ConfigDict | dict, prefix: str = "") -> Iterator[str]:
     """Every field of `config`, nested ones as dotted paths."""
     for key, value in config.items():
         yield prefix + key
-        if isinstance(value, ml_collections.ConfigDict):
+        if isinstance(value, (ml_collections.ConfigDict, dict)):
             yield from field_paths(value, f"{prefix}{key}.")

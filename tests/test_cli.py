@@ -63,6 +63,26 @@ def test_a_mistyped_config_override_names_the_closest_field(module):
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("module, defaults, fields", [
+    ("clip_jax.train", "clip_jax.run_config import default_config",
+     "c.batchsize = 128\n    c.aug_cfg.scael = (0.9, 1.0)"),
+    ("clip_jax.finetune", "clip_jax.training.finetune_config import default_finetune_config as default_config",
+     "c.epocs = 3"),
+])
+def test_a_misspelled_field_in_a_config_file_is_named_before_anything_is_built(module, defaults, fields, tmp_path):
+    config_file = tmp_path / "my_config.py"
+    config_file.write_text(f"from {defaults}\ndef get_config():\n    c = default_config()\n    {fields}\n"
+                           f"    c.logs = {str(tmp_path / 'logs')!r}\n    return c\n")
+    done = run_cli(module, f"--config={config_file}")
+    assert done.returncode == 2, done.stderr
+    expected = {"clip_jax.train": "aug_cfg.scael, which is no config field (did you mean 'aug_cfg.scale'?); batchsize, "
+                                  "which is no config field (did you mean 'batch_size'?)",  # in the config's order
+                "clip_jax.finetune": "epocs, which is no config field (did you mean 'epochs'?)"}[module]
+    assert done.stderr == f"error: --config={config_file} sets {expected}: fix the name in the file\n"
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_an_override_of_the_wrong_type_is_one_line():
     done = run_cli("clip_jax.train", f"--config={TRAIN_CONFIG}", "--config.lr=abc")

@@ -250,10 +250,15 @@ def test_kill_9_then_resume_continues_exactly(shards, tmp_path, uninterrupted):
     process.kill()  # SIGKILL: no chance to save
     process.wait()
     assert 8 in saved_steps(tmp_path / "run")
+    # A field no config has, saved by a run before misspelled fields were refused, is named once on resume.
+    saved = tmp_path / "run" / "config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "batchsize": 128}))
     resumed = launch(config)
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
     assert "resumed" in output
+    assert f"{saved} set batchsize, which is no config field (did you mean 'batch_size'?)" in output
+    assert "batchsize" not in json.loads(saved.read_text())
     got = losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 17))
     np.testing.assert_allclose([got[s] for s in range(1, 17)], [uninterrupted[s] for s in range(1, 17)], rtol=1e-5)

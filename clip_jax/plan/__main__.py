@@ -9,6 +9,7 @@ from clip_jax.errors import InvalidInput, UserError
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
 from clip_jax.plan.report import format_plan, plan_json
+from clip_jax.run_config import default_config
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.hardware import GPUS
 
@@ -69,6 +70,7 @@ def _define_flags() -> None:
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+    cli.expect_fields(default_config)
     flags.DEFINE_string("gpu", "a100-40gb", f"GPU kind: {', '.join(GPUS)}")
     flags.DEFINE_integer("gpus", 1, "number of GPUs (one training process each)")
     flags.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"],

@@ -10,13 +10,16 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from clip_jax import cli
 from clip_jax.errors import UserError, exit_status
+from clip_jax.run_config import default_config
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.processes import initialize_from_environment, leave_run
 from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
 from clip_jax.training.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+cli.expect_fields(default_config)  # a misspelled field in the file is named before anything is built
 
 
 def main(argv, stop: StopSignal | None = None) -> int:

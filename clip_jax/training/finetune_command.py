@@ -8,12 +8,15 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from clip_jax import cli
 from clip_jax.errors import UserError, exit_status
 from clip_jax.runtime import xla_gpu
+from clip_jax.training.finetune_config import default_finetune_config
 from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "fine-tuning config file (configs/demo_finetune.py)",
                                           lock_config=True)
+cli.expect_fields(default_finetune_config)  # a misspelled field in the file is named before anything is built
 
 
 def main(argv, stop: StopSignal | None = None) -> int:

@@ -10,6 +10,7 @@ resumes is decided before anything is built: `clip_jax.training.run_setup`). `lo
 each save and at exit (`clip_jax.runtime.storage`).
 """
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from clip_jax import data
+from clip_jax import cli, data
 from clip_jax.errors import RunFailed
 from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.interop.pretrained import run_model_config
@@ -26,6 +27,7 @@ from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
+from clip_jax.run_config import default_config
 from clip_jax.runtime import ownership, processes, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind
@@ -120,6 +122,7 @@ class Trainer:
             self._say(note)
         self.step = int(jax.device_get(self.state.step))
         if self.is_main:
+            self._name_unknown_saved_fields(storage.join(self.run_dir, "config.json"))
             storage.write_text(storage.join(self.run_dir, "config.json"), config.to_json(indent=2))
         self.outputs = RunOutputs(self.run_dir, is_main=self.is_main, targets=report_targets(config.report_to),
                                   wandb_project=config.wandb_project, config=config.to_dict(),
@@ -130,6 +133,19 @@ class Trainer:
                                        total_steps=self.schedule.total_steps,
                                        loss_batch_size=self.schedule.global_batch, say=self._say)
         self._stop_check("while the evaluations were set up")
+
+    def _name_unknown_saved_fields(self, path: str) -> None:
+        """On resume, fields the run's earlier `config.json` set that no config has (a misspelling nobody read): said
+        once, before the file is written anew from this run's config."""
+        if self.start.resume_from is None or not storage.exists(path):
+            return
+        try:
+            saved = json.loads(storage.read_text(path))
+        except ValueError:
+            return
+        unknown = cli.unknown_fields(saved, default_config()) if isinstance(saved, dict) else []
+        if unknown:
+            self._say(f"{path} set " + "; ".join(unknown) + ": it was never read, and this run's config replaces it")
 
     def _train_shards(self) -> list[str]:
         """The run's shards (the demo's written first; a stop signal in one process ends that between shards,
