@@ -20,6 +20,14 @@ def readme_calls() -> list[str]:
         return sorted(set(re.findall(r"\b(clip_jax(?:\.[A-Za-z_]\w*)+)\(", f.read())))
 
 
+def test_the_readme_says_where_python_comes_from_before_its_first_bare_python_command():
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    bare = re.search(r"(?<![/\w])python -m clip_jax", text)
+    told = text.find("source .venv/bin/activate")
+    assert bare and 0 <= told < bare.start(), "the first bare `python -m` comes before the word on .venv"
+
+
 def test_the_readme_calls_the_names_this_test_expects():
     names = readme_calls()
     for name in ("clip_jax.tokenizer.tokenize", "clip_jax.interop.convert.from_open_clip",

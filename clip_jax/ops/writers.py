@@ -101,7 +101,7 @@ def format_duration(seconds: float) -> str:
 def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, float]) -> str:
     """One line a person reads: where the run is, how it learns, how fast it goes."""
     parts = [f"step {step}/{total_steps}", f"epoch {epoch:.2f}",
-             f"loss {scalars['loss']:.4f}", f"acc {scalars['accuracy']:.3f}",
+             f"loss {scalars['loss']:.4f}", f"pair acc {scalars['accuracy']:.3f}",
              f"scale {scalars['logit_scale']:.2f}", f"lr {scalars['learning_rate']:.3g}",
              f"gnorm {scalars['grad_norm']:.3g}",
              f"{scalars['samples_per_sec']:,.0f} samples/s ({scalars['samples_per_sec_per_device']:,.1f}/device)"]
