@@ -71,8 +71,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256, help="per device (configs/demo.py: 256)")
     parser.add_argument("--layouts", default="1x4,2x2", help="processes x devices, each with 4 devices in all")
-    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "clip_jax-demo-data"),
-                        help="the demo's shards: written by the first run, then reused")
+    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "clip_jax-demo-data", "fashion-mnist"),
+                        help="the demo's shards, in DATA/train: written by the first run, then reused (the demo "
+                        "writes only a folder named fashion-mnist/train)")
     parser.add_argument("--label", default="", help="appended to the result file's name (e.g. before)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--loopback-mtu", type=int, default=0,
