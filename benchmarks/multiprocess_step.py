@@ -34,7 +34,7 @@ def run_layout(processes: int, args, logs: pathlib.Path) -> dict:
     command = [
         sys.executable, str(REPO / "launch" / "local.py"), str(processes),
         "--devices-per-process", str(DEVICES // processes), "--log-dir", str(logs / f"{name}-ranks"),
-        *(["--loopback-mtu", str(args.loopback_mtu)] if args.loopback_mtu else []), "--",
+        *(["--loopback-mtu", str(args.loopback_mtu)] if args.loopback_mtu is not None else []), "--",
         sys.executable, "-m", "clip_jax.train", f"--config={REPO}/configs/demo.py", f"--config.name={name}",
         f"--config.logs={logs}", f"--config.train_data={args.data}/train/{{00000..00011}}.tar",
         f"--config.batch_size={args.batch}", f"--config.train_num_samples={args.steps * args.batch * DEVICES}",
@@ -76,8 +76,9 @@ def main() -> None:
                         "writes only a folder named fashion-mnist/train)")
     parser.add_argument("--label", default="", help="appended to the result file's name (e.g. before)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--loopback-mtu", type=int, default=0,
-                        help="launch/local.py --loopback-mtu (e.g. 16384): the ranks on a private loopback")
+    parser.add_argument("--loopback-mtu", type=int, default=None,
+                        help="launch/local.py --loopback-mtu (default: the launcher's, a private 16 KB loopback where "
+                        "one can be made; 0: this machine's loopback, as before section 17's fix)")
     args = parser.parse_args()
     if args.steps < 2 * args.log_every + 1:
         parser.error("--steps must leave at least one log window after the first")
