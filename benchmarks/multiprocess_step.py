@@ -34,7 +34,7 @@ def run_layout(processes: int, args, logs: pathlib.Path) -> dict:
     command = [
         sys.executable, str(REPO / "launch" / "local.py"), str(processes),
         "--devices-per-process", str(DEVICES // processes), "--log-dir", str(logs / f"{name}-ranks"),
-        *(["--loopback-mtu", str(args.loopback_mtu)] if args.loopback_mtu else []), "--",
+        *(["--loopback-mtu", str(args.loopback_mtu)] if args.loopback_mtu is not None else []), "--",
         sys.executable, "-m", "clip_jax.train", f"--config={REPO}/configs/demo.py", f"--config.name={name}",
         f"--config.logs={logs}", f"--config.train_data={args.data}/train/{{00000..00011}}.tar",
         f"--config.batch_size={args.batch}", f"--config.train_num_samples={args.steps * args.batch * DEVICES}",
@@ -71,12 +71,14 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256, help="per device (configs/demo.py: 256)")
     parser.add_argument("--layouts", default="1x4,2x2", help="processes x devices, each with 4 devices in all")
-    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "clip_jax-demo-data"),
-                        help="the demo's shards: written by the first run, then reused")
+    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "clip_jax-demo-data", "fashion-mnist"),
+                        help="the demo's shards, in DATA/train: written by the first run, then reused (the demo "
+                        "writes only a folder named fashion-mnist/train)")
     parser.add_argument("--label", default="", help="appended to the result file's name (e.g. before)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--loopback-mtu", type=int, default=0,
-                        help="launch/local.py --loopback-mtu (e.g. 16384): the ranks on a private loopback")
+    parser.add_argument("--loopback-mtu", type=int, default=None,
+                        help="launch/local.py --loopback-mtu (default: the launcher's, a private 16 KB loopback where "
+                        "one can be made; 0: this machine's loopback, as before section 17's fix)")
     args = parser.parse_args()
     if args.steps < 2 * args.log_every + 1:
         parser.error("--steps must leave at least one log window after the first")

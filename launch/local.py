@@ -8,21 +8,27 @@ devices, and a log file LOG_DIR/rank-I.log; rank 0 also prints to this terminal.
 others are stopped and the launcher exits with the first failure's status. Ctrl-C stops the run as it stops one
 process: the ranks agree on a step, save it and exit, and the launcher exits with their status (0 once saved).
 
-`--loopback-mtu 16384` runs the ranks in a network namespace of their own whose loopback has that MTU (Linux,
-root or unprivileged user namespaces). On loopback's default 64 KB MTU the ranks' gloo sockets can stall on TCP's
-delayed acknowledgements, one 64 KB segment every 40 ms, and a small step takes many times as long as in one
-process (benchmarks/RESULTS.md section 17). Nothing in the namespace reaches other hosts (a W&B run there must be
-offline); real multi-node networks are not affected.
+The ranks run in a network namespace of their own whose loopback has a 16 KB MTU (`--loopback-mtu`; Linux, as root
+or with unprivileged user namespaces): on loopback's default 64 KB MTU their gloo sockets can stall on TCP's delayed
+acknowledgements, one 64 KB segment every 40 ms, and a small step takes many times as long as in one process
+(benchmarks/RESULTS.md section 17). Where no namespace can be made the launcher says so in one line and the ranks
+share this machine's loopback. Nothing in the namespace reaches other hosts or servers on this machine (a W&B run
+there must be offline, a local S3 server is out of reach): `--loopback-mtu 0` keeps the ranks on this machine's
+network. Real multi-node networks are not affected.
 """
 
 import argparse
+import fcntl
 import os
 import shlex
-import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
+
+LOOPBACK_MTU = 16384  # the ranks' loopback unless told otherwise (benchmarks/RESULTS.md section 17)
+SIOCGIFMTU = 0x8921  # Linux's ioctl that reads an interface's MTU
 
 
 def free_port() -> int:
@@ -48,9 +54,10 @@ def parse_args(argv):
                         help="seconds before the others give up on a dead process")
     parser.add_argument("--log-dir", default="logs/local-launch", help="per-rank log files go here")
     parser.add_argument("--dry-run", action="store_true", help="print each rank's command and environment")
-    parser.add_argument("--loopback-mtu", type=int, default=0, metavar="BYTES",
-                        help="run the ranks in a private network namespace whose loopback has this MTU (e.g. 16384: "
-                        "gloo on the default 64 KB loopback can stall; see the module docstring)")
+    parser.add_argument("--loopback-mtu", type=int, default=None, metavar="BYTES",
+                        help=f"the MTU of the ranks' loopback, in a network namespace of their own (default: "
+                        f"{LOOPBACK_MTU} where one can be made, else this machine's, said in one line; 0: this "
+                        "machine's network; see the module docstring)")
     parser.epilog = "after --: the command each process runs, e.g. -- python -m clip_jax.train --config ..."
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -62,13 +69,60 @@ def parse_args(argv):
     return args, command
 
 
-def in_private_loopback(argv: list[str], mtu: int) -> list[str]:
-    """The command that runs this launcher again with `argv` inside a new network namespace whose loopback is up
-    with MTU `mtu` (`unshare`, as root; else in a new user namespace too, where the kernel allows it)."""
+def in_private_loopback(command: list[str], mtu: int) -> list[str]:
+    """`command` run inside a new network namespace whose loopback is up with MTU `mtu` (`unshare`, as root; else in
+    a new user namespace too, where the kernel allows it)."""
     setup = f"ip link set lo up && ip link set lo mtu {int(mtu)} && exec \"$@\""
-    relaunch = [sys.executable, os.path.abspath(__file__), *argv]
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    return ["unshare", "--net", *user, "--", "sh", "-c", setup, "sh", *relaunch]
+    return ["unshare", "--net", *user, "--", "sh", "-c", setup, "sh", *command]
+
+
+def private_loopback_problem(mtu: int) -> str | None:
+    """Why no network namespace with its loopback at `mtu` can be made here (unshare's or ip's own words), or None:
+    it can (made and left at once)."""
+    try:
+        done = subprocess.run(in_private_loopback(["true"], mtu), capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return "util-linux's unshare is not installed"
+    if done.returncode == 0:
+        return None
+    return (done.stderr.strip().splitlines() or [f"unshare exited with status {done.returncode}"])[-1]
+
+
+def loopback_mtu() -> int | None:
+    """The MTU of loopback in this process's network namespace (Linux's SIOCGIFMTU; /sys shows the namespace that
+    mounted it), or None where it cannot be read."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            return struct.unpack("16si", fcntl.ioctl(s, SIOCGIFMTU, struct.pack("16si", b"lo", 0)))[1]
+    except OSError:
+        return None
+
+
+def relaunch_in_private_loopback(argv: list[str], mtu: int) -> int:
+    """Runs this launcher again with `argv` inside a network namespace whose loopback has MTU `mtu`; its exit status.
+    Ctrl-C reaches the ranks as in one launcher: this one waits for the other, which waits for them."""
+    relaunch = [sys.executable, os.path.abspath(__file__), "--loopback-mtu=0", *without_option(argv, "--loopback-mtu")]
+    return wait_all([subprocess.Popen(in_private_loopback(relaunch, mtu))])[0]
+
+
+def choose_loopback(requested: int | None) -> int:
+    """The MTU of the ranks' private loopback (0: none, this machine's network), from `--loopback-mtu`: the default
+    where a namespace can be made, else 0 with one line saying so; a size asked for that cannot be had stops the
+    launch (exit status 2)."""
+    mtu = LOOPBACK_MTU if requested is None else requested
+    problem = private_loopback_problem(mtu) if mtu else None
+    if problem is None:
+        return mtu
+    if requested is not None:
+        print(f"launch/local.py: --loopback-mtu {mtu} needs a network namespace, which `unshare --net` cannot make "
+              f"here ({problem}): leave the option out to run on this machine's loopback", file=sys.stderr)
+        raise SystemExit(2)
+    mtu_here = loopback_mtu()
+    print(f"launch/local.py: no network namespace of the ranks' own can be made here ({problem}): they share this "
+          f"machine's loopback{'' if mtu_here is None else f' (MTU {mtu_here})'}, where gloo can stall on delayed "
+          "ACKs and a small step take many times as long (benchmarks/RESULTS.md section 17)", file=sys.stderr)
+    return 0
 
 
 def without_option(argv: list[str], name: str) -> list[str]:
@@ -98,12 +152,9 @@ def wait_all(processes) -> list[int]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, command = parse_args(argv)
-    if args.loopback_mtu and not args.dry_run:
-        inner = in_private_loopback(without_option(argv, "--loopback-mtu"), args.loopback_mtu)
-        done = subprocess.run(inner)
-        if done.returncode and shutil.which("unshare") is None:
-            print("launch/local.py: --loopback-mtu needs util-linux's unshare and iproute2's ip", file=sys.stderr)
-        return done.returncode
+    mtu = 0 if args.dry_run else choose_loopback(args.loopback_mtu)
+    if mtu:
+        return relaunch_in_private_loopback(argv, mtu)
     port = args.port or free_port()
     envs = [rank_env(os.environ, r, args.num_processes, port, args.devices_per_process, args.heartbeat_timeout)
             for r in range(args.num_processes)]

@@ -42,7 +42,9 @@ class Launch:
         environment = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60",
                        **(env or {})}
         environment["XLA_FLAGS"] = FAST_COMPILE  # the launcher adds each rank's devices
-        command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(PROCESSES),
+        # --loopback-mtu 0: the ranks are the launcher's children (rank_pids), in this process's network, where the
+        # local S3 server is (with its private loopback where it has one, tests/private_loopback.py)
+        command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(PROCESSES), "--loopback-mtu", "0",
                    "--devices-per-process", str(DEVICES), "--heartbeat-timeout", str(heartbeat), "--log-dir", log_dir,
                    "--", sys.executable, "-u", "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"]
         self.t0 = time.perf_counter()

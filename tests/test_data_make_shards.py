@@ -248,7 +248,7 @@ def test_a_writer_killed_half_way_leaves_no_complete_looking_set(tmp_path, monke
 
 def test_a_run_config_writes_its_missing_shards_from_fashion_mnist(tmp_path, monkeypatch):
     monkeypatch.setattr(fashion_mnist, "DEFAULT_DIR", _tiny_fashion_mnist(tmp_path / "fmnist", 100))
-    pattern = f"{tmp_path}/train/{{00000..00003}}.tar"
+    pattern = f"{tmp_path}/fashion-mnist/train/{{00000..00003}}.tar"  # named as the demo's own folder
     cfg = data.TrainDataConfig(shards=pattern, train_num_samples=None, make_from="fashion-mnist")
     shards = data.resolve_train_shards(cfg)
     assert len(shards) == 4 and data.count_samples(shards) == 100  # 25 a shard, as many shards as the pattern names
@@ -257,6 +257,33 @@ def test_a_run_config_writes_its_missing_shards_from_fashion_mnist(tmp_path, mon
         data.resolve_train_shards(data.TrainDataConfig(shards=f"{tmp_path}/{{1..3}}.tar", make_from="fashion-mnist"))
     with pytest.raises(ValueError, match="make_train_data='mnist': the trainer can write only 'fashion-mnist'"):
         data.resolve_train_shards(data.TrainDataConfig(shards=pattern, make_from="mnist"))
+
+
+@pytest.mark.parametrize("folder", ["my-data", "fashion-mnist/trian", "empty"])
+def test_the_demo_writer_fills_no_folder_but_the_demos_own(tmp_path, monkeypatch, folder):
+    """The demo's config copied for one's own shards with make_train_data left on: a mistyped or new path, or an
+    empty folder of one's own, is refused in one line naming it and the fix, and nothing is written there."""
+    monkeypatch.setattr(fashion_mnist, "DEFAULT_DIR", _tiny_fashion_mnist(tmp_path / "fmnist", 100))
+    if folder == "empty":
+        (tmp_path / folder).mkdir()
+    cfg = data.TrainDataConfig(shards=f"{tmp_path}/{folder}/{{00000..00003}}.tar", make_from="fashion-mnist")
+    with pytest.raises(ValueError) as refused:
+        data.resolve_train_shards(cfg)
+    message = str(refused.value)
+    assert "\n" not in message and str(tmp_path / folder) in message, message
+    assert "--config.make_train_data=''" in message and "fashion-mnist/train" in message, message
+    assert sorted(os.listdir(tmp_path)) == sorted(["fmnist"] + (["empty"] if folder == "empty" else []))
+    assert folder != "empty" or os.listdir(tmp_path / folder) == []
+
+
+def test_the_demo_configs_folder_is_the_one_the_demo_writer_fills():
+    import importlib.util
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("demo", os.path.join(repo, "configs", "demo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert make_shards.is_demo_folder(os.path.dirname(module.get_config().train_data))
 
 
 # Fails on any file opened for writing or folder made while configs/demo.py loads.

@@ -3,6 +3,7 @@ how a process finds its group, and a rank that cannot join naming itself."""
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +107,78 @@ def test_local_launcher_can_run_the_ranks_on_a_loopback_of_their_own(tmp_path):
             assert " mtu 16384 " in output, output
     else:
         assert result.returncode != 0 and "unshare" in result.stderr
+
+
+# What each rank prints: its network namespace and the MTU of the loopback there (read with SIOCGIFMTU: /sys shows
+# the namespace that mounted it).
+RANK_NETWORK = ("import fcntl, os, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                "print(os.readlink('/proc/self/ns/net'), struct.unpack('16si', fcntl.ioctl(s, 0x8921, "
+                "struct.pack('16si', b'lo', 0)))[1])")
+
+
+def ranks_network(tmp_path, *options, env=None):
+    """(namespace, loopback MTU) of rank 0 and rank 1 of a local launch with `options`, and its stderr."""
+    result = subprocess.run([sys.executable, os.path.join(REPO, "launch", "local.py"), "2", *options, "--log-dir",
+                             str(tmp_path), "--", sys.executable, "-c", RANK_NETWORK],
+                            env=env or clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    seen = [tuple(output.split()) for output in (result.stdout, (tmp_path / "rank-1.log").read_text())]
+    return [(namespace, int(mtu)) for namespace, mtu in seen], result.stderr
+
+
+def this_network():
+    namespace, mtu = subprocess.run([sys.executable, "-c", RANK_NETWORK], capture_output=True, text=True,
+                                    check=True).stdout.split()
+    return namespace, int(mtu)
+
+
+def namespace_can_be_made() -> bool:
+    """Whether `unshare` makes a network namespace here and sets its loopback's MTU (as root; else in a user
+    namespace too)."""
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    try:
+        return subprocess.run(["unshare", "--net", *user, "--", "sh", "-c", "ip link set lo mtu 16384"],
+                              capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.subprocess
+def test_by_default_the_ranks_get_a_16k_loopback_of_their_own_or_are_told_in_one_line_why_not(tmp_path):
+    """Two local processes on loopback's 64 KB MTU step many times slower (gloo and delayed ACKs, benchmarks/RESULTS.md
+    section 17): by default the launcher gives them one namespace of their own with a 16 KB loopback where one can be
+    made (CI may not permit it: either way the choice is checked against what this machine allows)."""
+    ranks, said = ranks_network(tmp_path)
+    here = this_network()
+    assert ranks[0] == ranks[1]  # one namespace for both: they reach each other on 127.0.0.1
+    if namespace_can_be_made():
+        assert ranks[0][0] != here[0] and ranks[0][1] == 16384 and said == ""
+    else:
+        assert ranks[0] == here, ranks
+        assert re.fullmatch(r"launch/local.py: no network namespace of the ranks' own can be made here \(.+\): they "
+                            rf"share this machine's loopback \(MTU {here[1]}\), .*section 17\)\n", said), said
+
+
+@pytest.mark.subprocess
+def test_where_no_namespace_can_be_made_the_ranks_share_this_loopback_and_the_launcher_says_why(tmp_path):
+    """`unshare` refused (as in a container without the permission): the ranks run on this machine's loopback, and
+    one line says so with unshare's reason; `--loopback-mtu 0` chooses that loopback without a word; a loopback size
+    asked for explicitly stops the launch."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    (fake / "unshare").chmod(0o755)
+    env = clean_env(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    here = this_network()
+    ranks, said = ranks_network(tmp_path, env=env)
+    assert ranks == [here, here]
+    assert said.count("\n") == 1 and said.startswith("launch/local.py: no network namespace of the ranks' own can be "
+                                                     "made here (unshare: unshare failed: Operation not permitted)")
+    assert ranks_network(tmp_path, "--loopback-mtu", "0", env=env) == ([here, here], "")
+    asked = subprocess.run([sys.executable, os.path.join(REPO, "launch", "local.py"), "2", "--loopback-mtu", "9000",
+                            "--", "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert asked.returncode == 2 and asked.stderr.count("\n") == 1 and "--loopback-mtu 9000" in asked.stderr
+    assert "`unshare --net` cannot make here (unshare: unshare failed: Operation not permitted)" in asked.stderr
 
 
 @pytest.mark.subprocess

@@ -20,13 +20,14 @@ def shards(fashion_mnist_shards):
 
 
 def launch(config, log_dir, *, processes=2, devices=1, heartbeat=10, out=subprocess.PIPE):
-    """launch/local.py running the trainer as `processes` joined ranks of `devices` CPU devices each."""
+    """launch/local.py running the trainer as `processes` joined ranks of `devices` CPU devices each, its children
+    (`--loopback-mtu 0`: in this process's network, with its private loopback where it has one, private_loopback)."""
     env = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60"}
     env["XLA_FLAGS"] = FAST_COMPILE  # the launcher adds each rank's devices
     return subprocess.Popen(
-        [sys.executable, f"{REPO}/launch/local.py", str(processes), "--devices-per-process", str(devices),
-         "--heartbeat-timeout", str(heartbeat), "--log-dir", str(log_dir), "--", sys.executable, "-m",
-         "clip_jax.train", f"--config={REPO}/tests/train_config.py"],
+        [sys.executable, f"{REPO}/launch/local.py", str(processes), "--loopback-mtu", "0",
+         "--devices-per-process", str(devices), "--heartbeat-timeout", str(heartbeat), "--log-dir", str(log_dir),
+         "--", sys.executable, "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"],
         env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 

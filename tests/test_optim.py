@@ -93,6 +93,17 @@ def test_schedule_rejects_warmup_not_shorter_than_training():
         warmup_cosine_schedule(1e-3, warmup_steps=100, total_steps=100)
 
 
+@pytest.mark.parametrize("warmup, total_steps, largest", [(50, 8, 7), (8, 8, 7), (3, 1, 0)])
+def test_a_warmup_too_long_for_the_run_is_refused_naming_the_largest_that_fits(warmup, total_steps, largest):
+    """A first run on a small data set (the demo's warmup of 50 against 8 steps): the one line says what to set."""
+    with pytest.raises(ValueError) as refused:
+        warmup_cosine_schedule(1e-3, warmup_steps=warmup, total_steps=total_steps)
+    message = str(refused.value)
+    assert "\n" not in message and f"warmup={warmup}" in message and f"{total_steps} step" in message
+    assert f"the largest warmup that fits is {largest}: --config.warmup={largest}" in message
+    warmup_cosine_schedule(1e-3, warmup_steps=largest, total_steps=total_steps)  # which the schedule takes
+
+
 def open_clip_lr(base_lr, warmup, total, step):
     """OpenCLIP's cosine_lr, restated."""
     if step < warmup:

@@ -1,10 +1,13 @@
 """What the README writes in Python works as written: every `clip_jax.X.Y(...)` it calls resolves after
 `import clip_jax`, in a fresh interpreter (the test session has long imported everything), and its ```python
-blocks run, in order, in one fresh interpreter (tests/readme_blocks.py), given named fixtures for their inputs."""
+blocks run, in order, in one fresh interpreter (tests/readme_blocks.py), given named fixtures for their inputs; the
+commands of its recipe for one's own data run as written, up to the first step."""
 
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -135,3 +138,89 @@ def test_a_block_that_reads_a_name_nothing_defines_fails_naming_its_line(tmp_pat
     readme_blocks.run(str(readme), fixtures={"y": "y = 'given'"}, substitutions=[])
     with pytest.raises(SystemExit, match="no README block writes 'z' any more"):
         readme_blocks.run(str(readme), fixtures={}, substitutions=[["z", "w"]])
+
+
+def own_data_commands() -> list[list[str]]:
+    """The commands of the README's "Training on your own data", each split into its arguments."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        section = f.read().split("\n## Training on your own data\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0].replace("\\\n", " ")
+    return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def write_photos(folder, count: int) -> None:
+    """What the recipe starts from: photos/ with a caption beside each image, and captions.tsv (OpenCLIP's csv
+    layout) naming the same pairs."""
+    from PIL import Image
+
+    (folder / "photos").mkdir()
+    rows = ["filepath\ttitle"]
+    for i in range(count):
+        colour = ("red", "green", "blue")[i % 3]
+        Image.new("RGB", (12, 10), colour).save(folder / "photos" / f"{i:04d}.jpg")
+        (folder / "photos" / f"{i:04d}.txt").write_text(f"a {colour} square")
+        rows.append(f"photos/{i:04d}.jpg\ta {colour} square")
+    (folder / "captions.tsv").write_text("\n".join(rows) + "\n")
+
+
+def substituted(arg: str, instead: dict[str, str]) -> str:
+    """`arg` (a path, or `--config.FIELD=path`) with a path the test cannot use as written replaced."""
+    flag, equals, value = arg.rpartition("=")
+    return flag + equals + instead.get(value, value)
+
+
+def train_config(argv: list[str]):
+    """The config `python -m clip_jax.train ARGV` trains with (the file loaded, the overrides applied, locked)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["clip_jax.train", *argv]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "training config file", flag_values=values, lock_config=True,
+                                    sys_argv=argv)  # where it reads the overrides (else sys.argv)
+    values(argv)
+    return values.config
+
+
+def steps_on_one_device(config) -> int:
+    """The run's steps on one CPU device, checked as the trainer checks the config, its data and its learning-rate
+    schedule before it builds the step."""
+    from clip_jax import data
+    from clip_jax.optim.adamw import warmup_cosine_schedule
+    from clip_jax.training.config_checks import check_config
+    from clip_jax.training.schedule import make_schedule
+
+    check_config(config, num_devices=1)
+    shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(config))
+    total = make_schedule(config, 1, shards).total_steps
+    warmup_cosine_schedule(config.lr, config.warmup, total)
+    return total
+
+
+@pytest.mark.subprocess
+def test_the_readme_recipe_for_your_own_data_runs_as_written_up_to_the_first_step(tmp_path, monkeypatch):
+    """From a folder holding what the commands name (photos/, captions.tsv; the shards of /data/my-shards/ become
+    two without *_stats.json): the shard tools run, and each training command's config loads, finds its data and
+    fits its schedule (the training itself: the demo, tests/test_train.py)."""
+    from clip_jax.run_config import default_config
+
+    commands = own_data_commands()
+    python = ".venv/bin/python", "-m"
+    assert [command[:3] for command in commands] == [[*python, "clip_jax.data.make_shards"],
+                                                     [*python, "clip_jax.data.check"]] + [[*python, "clip_jax.train"]] * 3
+    write_photos(tmp_path, 330)  # > 320: 10 epochs of 64 images a step outlast the 50 warmup steps
+    made, checked = (subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, capture_output=True, text=True,
+                                    timeout=120) for command in commands[:2])
+    assert made.returncode == 0 and checked.returncode == 0, made.stderr + checked.stderr
+    assert made.stdout == "wrote 1 shards to data/photos: data/photos/00000.tar\n"
+    assert re.search(r"^samples +330 good, 0 skipped$", checked.stdout, re.M), checked.stdout
+    (tmp_path / "my-shards").mkdir()
+    for name in ("00000.tar", "00001.tar"):
+        shutil.copy(tmp_path / "data" / "photos" / "00000.tar", tmp_path / "my-shards" / name)
+    monkeypatch.chdir(tmp_path)
+    instead = {"configs/my_data.py": os.path.join(REPO, "configs", "my_data.py"),
+               "/data/my-shards/{00000..00099}.tar": str(tmp_path / "my-shards" / "{00000..00001}.tar")}
+    configs = [train_config([substituted(arg, instead) for arg in command[3:]]) for command in commands[2:]]
+    assert [c.name for c in configs] == ["photos", "csv", "shards"]
+    assert all(set(c.keys()) == set(default_config().keys()) and c.make_train_data == "" for c in configs)
+    assert [steps_on_one_device(c) for c in configs] == [60, 60, 10 * -(-100_000 // 64)]

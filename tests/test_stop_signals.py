@@ -245,7 +245,7 @@ def test_ctrl_c_during_an_evaluation_cuts_it_short_and_the_resumed_run_makes_it_
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_ctrl_c_while_the_demo_writes_its_shards_stops_between_shards_and_leaves_no_partial_set(shards, tmp_path):
-    folder = tmp_path / "new" / "fashion-mnist"
+    folder = tmp_path / "new" / "fashion-mnist" / "train"  # named as the demo's own folder
     config = stop_config(shards, tmp_path, train_data=f"{folder}/{{00000..00059}}.tar", make_train_data="fashion-mnist")
     process = launch(config)
     first = process.stdout.readline()  # the writer's note: where, how many MB

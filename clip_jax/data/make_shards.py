@@ -38,6 +38,7 @@ ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 FASHION_MNIST_SHARD_BYTES_PER_IMAGE = 3_750
 FIXED_MTIME = 1_700_000_000  # tar member times, so that the same input gives the same bytes
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+DEMO_FOLDER = ("fashion-mnist", "train")  # the last two parts of the only folders make_train_data writes
 SHARD_FILE = re.compile(r"\d{5}(\.tar|\.tar\.tmp|_stats\.json|\.parquet)$")  # the names write_shard writes
 
 
@@ -186,6 +187,12 @@ def _stats_present(folder: str, names: list[str]) -> bool:
     return all(os.path.exists(os.path.join(folder, f"{name}_stats.json")) for name in names)
 
 
+def is_demo_folder(folder: str) -> bool:
+    """Whether ``folder`` is one the demo's shard writer may fill: named for what it holds, ``.../fashion-mnist/train``
+    (configs/demo.py's ``data/fashion-mnist/train``). Any other path, mistyped or one's own, is never filled."""
+    return tuple(os.path.normpath(os.path.abspath(folder)).split(os.sep)[-2:]) == DEMO_FOLDER
+
+
 def write_missing_shards(pattern: str, source: str, *, root: str | None = None) -> None:
     """Writes the shards ``pattern`` names from ``source`` when they are missing (a run config's ``train_data`` and
     ``make_train_data``).
@@ -193,7 +200,8 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
     ``"fashion-mnist"``: the training split spread evenly over shards ``00000.tar, 00001.tar, ...`` of one local
     folder, as many as the pattern names (``{00000..00011}.tar``: 12 shards of 5,000 images). Shards that are all
     there with their ``_stats.json`` (whoever wrote them) are read as they are; a folder holding other files that
-    clip_jax did not write is refused with one line naming them: it is the user's data, not the demo's.
+    clip_jax did not write is refused with one line naming them: it is the user's data, not the demo's. Only the
+    demo's own folder is written (``is_demo_folder``): any other, new or empty, is refused in one line.
     """
     if source != "fashion-mnist":
         raise InvalidInput(f"make_train_data={source!r}: the trainer can write only 'fashion-mnist' shards; write "
@@ -207,9 +215,14 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
     if _stats_present(folder, [f"{i:05d}" for i in range(len(urls))]):
         return
     change = ("to train on them, set --config.make_train_data='' (and train_num_samples, without *_stats.json "
-              "files); for the demo's shards, point train_data at a new folder")
+              "files); for the demo's shards, point train_data at a new folder named fashion-mnist/train")
     new_folder = not os.path.lexists(folder)
     ownership.refuse_foreign(folder, writing=f"make_train_data={source!r}", change=change)
+    if not is_demo_folder(folder):
+        raise InvalidInput(
+            f"make_train_data={source!r} writes Fashion-MNIST only into the demo's own folder, one named "
+            f"{'/'.join(DEMO_FOLDER)} (configs/demo.py's data/fashion-mnist/train), not {os.path.abspath(folder)}: "
+            "to train on the shards train_data names, set --config.make_train_data=''")
     root = fashion_mnist.DEFAULT_DIR if root is None else root
     images = fashion_mnist.num_images("train", root)
     fewest = -(-images // ROWS_PER_SHARD_MAX)

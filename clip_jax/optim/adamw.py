@@ -43,10 +43,17 @@ def warmup_cosine_schedule(base_lr: float, warmup_steps: int, total_steps: int) 
     """OpenCLIP's `cosine_lr`: `base_lr * (step + 1) / warmup` for step < warmup, then a cosine from base_lr
     to 0 at `total_steps`, where it stays. `step` counts optimizer updates from 0.
     """
-    if warmup_steps < 0 or total_steps <= warmup_steps:
+    if warmup_steps < 0 or total_steps < 1:
         raise InvalidInput(
             f"learning-rate schedule: need 0 <= warmup_steps < total_steps, got warmup_steps={warmup_steps}, "
             f"total_steps={total_steps}; lower the warmup or train for more steps"
+        )
+    if warmup_steps >= total_steps:
+        largest = total_steps - 1
+        raise InvalidInput(
+            f"warmup={warmup_steps} does not fit a run of {total_steps} step{'s' if total_steps > 1 else ''} (the "
+            f"learning-rate schedule needs warmup_steps < total_steps): the largest warmup that fits is {largest}: "
+            f"--config.warmup={largest}, or train for more steps"
         )
 
     def schedule(step):
