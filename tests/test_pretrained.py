@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import convert
 from clip_jax.interop.export import export_open_clip
-from clip_jax.interop.pretrained import load_pretrained, resize_positional_embedding
+from clip_jax.interop.opener import load_pretrained
+from clip_jax.interop.pretrained import resize_positional_embedding
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.optim.lock import LockSpec, trainable_mask

@@ -148,9 +148,9 @@ class Trainer:
     def _pretrained_state(self, path: str):
         """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes) and,
         for a ResNet image tower, their BatchNorm statistics; a fresh optimizer state, step 0."""
-        from clip_jax.interop.pretrained import load_pretrained_variables
+        from clip_jax.interop.opener import open_model
 
-        variables = load_pretrained_variables(path, self.engine.spec.model)
+        variables = open_model(path, self.engine.spec.model, what="pretrained").variables()
         abstract = self.engine.abstract_state
         in_dtypes = lambda tree, like: jax.tree.map(lambda p, a: np.asarray(p, a.dtype), tree, like)  # noqa: E731
         params = in_dtypes(variables["params"], abstract.params)
