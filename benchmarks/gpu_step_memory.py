@@ -58,7 +58,7 @@ def main() -> None:
     memory = []
     for remat in REMATS:
         for path, (fields, lean) in PATHS.items():
-            spec = StepSpec("ViT-L-14", "bf16", remat, attention_impl="cudnn", **fields)
+            spec = StepSpec.for_model("ViT-L-14", "bf16", remat, attention_impl="cudnn", **fields)
             start = time.perf_counter()
             gib = step_memory(spec, mesh, args.batch, lean)
             memory.append({"remat": remat, "path": path, "gib": gib, "compile_s": time.perf_counter() - start})
@@ -67,8 +67,8 @@ def main() -> None:
     a100s = create_mesh(xla_gpu.devices(GPUS["a100-40gb"], args.gpus // 4, 4))
     collectives = []
     for reduce_dtype in ("float32", "bfloat16"):
-        spec = StepSpec("ViT-L-14", "bf16", "nothing_saveable", attention_impl="cudnn",
-                        grad_reduce_dtype=reduce_dtype)
+        spec = StepSpec.for_model("ViT-L-14", "bf16", "nothing_saveable", attention_impl="cudnn",
+                                  grad_reduce_dtype=reduce_dtype)
         moved = xla_gpu.collectives(plan.compile_train_step(spec, a100s, 224).as_text())
         collectives.append({"grad_reduce_dtype": reduce_dtype, **dataclasses.asdict(moved)})
         print(f"compiled grad_reduce_dtype={reduce_dtype} on {args.gpus} A100s", flush=True)

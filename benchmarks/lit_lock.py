@@ -32,13 +32,13 @@ ADAMW = OptimizerSpec(lr=1e-3, warmup=10, total_steps=10_000)
 
 
 def state_bytes(model: str, lock: LockSpec) -> dict:
-    step = build_step(StepSpec(model, optimizer=ADAMW, lock=lock), create_mesh(jax.local_devices()[:1]))
+    step = build_step(StepSpec.for_model(model, optimizer=ADAMW, lock=lock), create_mesh(jax.local_devices()[:1]))
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     return {"params": size(step.abstract_state.params), "opt_state": size(step.abstract_state.opt_state)}
 
 
 def compiled_step(model: str, lock: LockSpec, batch, mesh) -> tuple:
-    step = build_step(StepSpec(model, optimizer=ADAMW, lock=lock), mesh)
+    step = build_step(StepSpec.for_model(model, optimizer=ADAMW, lock=lock), mesh)
     run_step, compiled, compile_s = compiled_runner(step, step.init(0), make_global_batch(batch, mesh))
     return run_step, {"compile_s": compile_s, "flops": compiled.cost_analysis()["flops"]}
 

@@ -32,8 +32,8 @@ from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 def compiled_step(config, patch_dropout: float, batch, mesh, precision: str) -> tuple:
     """(run_step, record) of the step with `patch_dropout`."""
     attention = choose_attention_impl("auto", mesh.devices.flat[0].platform, get_policy(precision).compute_dtype)
-    spec = StepSpec(config, precision, "none", attention, patch_dropout=patch_dropout,
-                    optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=10_000))
+    spec = StepSpec.for_model(config, precision, "none", attention, patch_dropout=patch_dropout,
+                              optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=10_000))
     step = build_step(spec, mesh)
     run_step, compiled, compile_s = compiled_runner(step, step.init(0), make_global_batch(batch, mesh))
     return run_step, {"patch_dropout": patch_dropout, "compile_s": compile_s, "attention": attention,

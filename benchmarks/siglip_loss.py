@@ -85,8 +85,8 @@ def time_train_steps(model: str, per_device_batch: int, steps: int, precision: s
     runs = []
     attention = choose_attention_impl("auto", jax.devices()[0].platform, get_policy(precision).compute_dtype)
     for loss in ("clip", "siglip"):
-        spec = StepSpec(SMALL if model == "small" else model, precision, attention_impl=attention, loss=loss,
-                        optimizer=OptimizerSpec(lr=1e-4))
+        spec = StepSpec.for_model(SMALL if model == "small" else model, precision, attention_impl=attention, loss=loss,
+                                  optimizer=OptimizerSpec(lr=1e-4))
         step = build_step(spec, mesh_for(spec))
         batch = make_global_batch(random_batch(spec.model, per_device_batch * jax.device_count()), step.mesh)
         holder = [step.init(seed=0)]

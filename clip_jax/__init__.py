@@ -19,7 +19,8 @@ _EXPORTS = {
     "get_model_config": "clip_jax.models",
     "init_params": "clip_jax.models",
     "list_models": "clip_jax.models",
-    "load_pretrained": "clip_jax.interop.pretrained",
+    "load_pretrained": "clip_jax.interop.opener",
+    "open_model": "clip_jax.interop.opener",
     "tokenize": "clip_jax.tokenizer",
 }
 __all__ = sorted(_EXPORTS)

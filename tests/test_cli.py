@@ -20,7 +20,7 @@ TRAIN_CONFIG = os.path.join(REPO, "tests", "train_config.py")  # loads in a mome
 
 # (module, the function main hands the work to, argv, exit status for a user error)
 CLIS = [
-    (weight_files, "read_arrays", ["src.npz", "dst.npz", "--model", "ViT-B-32"], 2),
+    (weight_files, "model_source", ["src.npz", "dst.npz", "--model", "ViT-B-32"], 2),
     (similarity, "create_model", [], 2),
     (zeroshot, "run", ["--model", "ViT-B-32", "--demo"], 2),
     (make_shards, "fashion_mnist_samples", ["fashion-mnist", "--out", "out"], 1),

@@ -19,7 +19,7 @@ from trainer_run import losses, tiny_config
 import clip_jax
 from clip_jax.evaluation import zeroshot
 from clip_jax.interop import export
-from clip_jax.interop.pretrained import export_model_config, read_run_config
+from clip_jax.interop.opener import open_model, read_run_config, run_model
 from clip_jax.training import trainer as train_lib
 
 HALF = (0.5, 0.5, 0.5)  # the LAION recipe's mean and std, not OpenCLIP's defaults: the export must carry them
@@ -55,7 +55,7 @@ def _assert_open_clip_agrees(folder, run_or_folder, texts=("a photo of a shoe", 
     """OpenCLIP's `local-dir:` load and clip_jax's agree on preprocessing, tokens and features."""
     reference, _, reference_eval = open_clip.create_model_and_transforms(f"local-dir:{folder}")
     reference.eval()
-    name = f"local-dir:{folder}" if run_or_folder is None else export_model_config(str(folder))
+    name = f"local-dir:{folder}" if run_or_folder is None else open_model(str(folder)).config
     model, params, _, eval_transform = clip_jax.create_model_and_transforms(name, pretrained=run_or_folder)
     images = [_image(seed) for seed in range(3)]
     ours = np.stack([eval_transform(image) for image in images])
@@ -103,7 +103,7 @@ def test_the_export_folder_is_a_checkpoint_for_the_eval_script(shards, base_run,
 @pytest.mark.slow
 def test_a_named_step_is_exported_and_bad_sources_get_one_line(base_run, tmp_path, capsys):
     assert export.main([str(base_run), str(tmp_path / "step80"), "--step", "80"]) == 0
-    model = export.trained_model(read_run_config(str(base_run)))
+    model = run_model(read_run_config(str(base_run)))
     exported_80 = clip_jax.load_pretrained(str(tmp_path / "step80"), model)
     checkpoint_80 = clip_jax.load_pretrained(str(base_run / "checkpoints" / "80"), model)
     jax.tree.map(np.testing.assert_array_equal, exported_80, checkpoint_80)
@@ -141,7 +141,7 @@ def test_fine_tuning_at_a_larger_image_size_end_to_end(shards, base_run, exporte
                                 force_image_size=42, lock_text=True, image_mean=HALF, image_std=HALF))
     base, tuned = losses(base_run), losses(tmp_path / "run")
     assert tuned[1] < np.mean([base[s] for s in range(1, 5)]) - 0.3, (tuned[1], base[1])
-    model = export.trained_model(read_run_config(str(tmp_path / "run")))
+    model = run_model(read_run_config(str(tmp_path / "run")))
     params = clip_jax.load_pretrained(str(tmp_path / "run"), model)
     assert params["visual"]["positional_embedding"].shape == (37, 32)  # 6 x 6 patches of 7 px, and the class token
     start = clip_jax.load_pretrained(str(exported), model)  # resized from 4 x 4 as the run started

@@ -20,7 +20,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import benchmark_cli, zeroshot
 from clip_jax.interop import convert, export, hf_clip, weight_files
 from clip_jax.interop.export import export_open_clip
-from clip_jax.interop.pretrained import export_model_config, load_pretrained_variables
+from clip_jax.interop.opener import load_pretrained_variables, open_model
 from clip_jax.models import get_model_config
 from clip_jax.runtime import ownership
 
@@ -101,7 +101,7 @@ def test_the_transformers_files_describe_the_model(tmp_path):
     written = weight_files.read_arrays(str(folder / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in built.state_dict().items()} == {k: v.shape for k, v in written.items()}
     # the folder holds both layouts and is read as OpenCLIP's, as before
-    assert export_model_config(str(folder)) == dataclasses.replace(get_model_config(TINY_77), name="export")
+    assert open_model(str(folder)).config == dataclasses.replace(get_model_config(TINY_77), name="export")
 
 
 @pytest.mark.parametrize("options", [{}, {"quick_gelu": True}, {"act_kwargs": {"approximate": "tanh"},
@@ -276,7 +276,7 @@ def test_openais_config_layout_reads_as_the_quickgelu_model_it_is(tmp_path):
         "vision_config": vision, "vision_config_dict": {"hidden_size": 1024, "patch_size": 14},
         "torch_dtype": "float32", "transformers_version": "4.16.0.dev0"}))
     expected = dataclasses.replace(get_model_config("ViT-L-14-quickgelu"), name="clip-vit-large-patch14")
-    assert export_model_config(str(folder)) == expected
+    assert open_model(str(folder)).config == expected
     with pytest.raises(InvalidInput, match=r"holds another model than ViT-L-14 \(its config.json: quick_gelu True "
                                            r"\(not False\)\): leave the model out"):
         load_pretrained_variables(str(folder), "ViT-L-14")

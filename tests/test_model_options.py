@@ -183,7 +183,7 @@ def heavy_params():
 
 def _sgd_step(params, batch, *, n_devices, **spec):
     mesh = create_mesh(jax.devices()[:n_devices])
-    step = build_step(StepSpec(HEAVY, optimizer=SGD, **spec), mesh)
+    step = build_step(StepSpec.for_model(HEAVY, optimizer=SGD, **spec), mesh)
     state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
 

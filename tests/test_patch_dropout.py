@@ -44,7 +44,7 @@ def kept_for_step(seed: int, step: int, rows: int = GLOBAL_BATCH) -> jax.Array:
 def sgd_step(params, batch, *, n_devices=1, accum_steps=1, step=0, seed=0, patch_dropout=None):
     """(params after one SGD step from a state at `step`, as numpy; metrics as floats)."""
     mesh = create_mesh(jax.devices()[:n_devices])
-    spec = StepSpec(TINY, optimizer=SGD, accum_steps=accum_steps, seed=seed, patch_dropout=patch_dropout)
+    spec = StepSpec.for_model(TINY, optimizer=SGD, accum_steps=accum_steps, seed=seed, patch_dropout=patch_dropout)
     train_step = build_step(spec, mesh)
     state = train_step.state_from_params(params)
     state = TrainState(state.params, state.opt_state, jnp.full_like(state.step, step))
@@ -158,7 +158,7 @@ def test_patch_dropout_is_read_from_openclip_configs_and_checked():
         with pytest.raises(ValueError, match="patch_dropout"):
             get_model_config({**TINY, "vision_cfg": {**TINY["vision_cfg"], "patch_dropout": bad}})
         with pytest.raises(ValueError, match="patch_dropout"):
-            StepSpec(TINY, patch_dropout=bad)
+            StepSpec.for_model(TINY, patch_dropout=bad)
 
 
 @pytest.mark.parametrize("force, rate", [(-1.0, 0.5), (0.0, 0.0), (0.25, 0.25)])
@@ -183,19 +183,19 @@ def test_bad_force_patch_dropout_fails_before_compiling(force):
 
 def test_train_flops_count_the_kept_tokens_and_eval_flops_all():
     config = get_model_config("ViT-B-16")
-    dropped = StepSpec(config, patch_dropout=0.5).model
+    dropped = StepSpec.for_model(config, patch_dropout=0.5).model
     assert image_tokens(dropped.vision) == 197 and image_tokens(dropped.vision, train=True) == 99
     assert forward_flops(dropped) == forward_flops(config)  # eval
     assert image_forward_flops(dropped, train=True) < 0.5 * image_forward_flops(config)
     assert 0.55 < train_flops(dropped) / train_flops(config) < 0.6
-    assert train_flops(StepSpec(dropped, patch_dropout=0.0).model) == train_flops(config)
+    assert train_flops(StepSpec.for_model(dropped, patch_dropout=0.0).model) == train_flops(config)
 
 
 @pytest.mark.slow
 def test_the_planners_xla_count_of_the_step_agrees_with_the_kept_token_count():
     from clip_jax import plan as planner
 
-    spec = StepSpec("ViT-B-32", "fp32", patch_dropout=0.5)  # 49 patches, 24 kept
+    spec = StepSpec.for_model("ViT-B-32", "fp32", patch_dropout=0.5)  # 49 patches, 24 kept
     flops = planner.flops_per_sample(spec, create_mesh(jax.devices()[:1]), 4)
     assert flops.train_analytic == 3 * forward_flops(spec.model, train=True) < 0.75 * 3 * flops.forward_analytic
     assert 1.0 <= flops.train_xla / flops.train_analytic < 1.05  # the planner's per-block loop correction included

@@ -48,7 +48,7 @@ def tiny_config(model_file, **fields):
 @pytest.mark.slow
 def test_planned_memory_is_xla_memory_of_the_real_sharded_step():
     """Abstract inputs (nothing allocated) give the same memory analysis as the step built from real arrays."""
-    setup = StepSpec(TINY, "fp32", "nothing_saveable", fsdp=True)
+    setup = StepSpec.for_model(TINY, "fp32", "nothing_saveable", fsdp=True)
     mesh = create_mesh(jax.devices()[:8])
     per_device = 3
     planned = planner.StepMemory.of(planner.compile_train_step(setup, mesh, per_device))

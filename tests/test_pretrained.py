@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import convert
 from clip_jax.interop.export import export_open_clip
-from clip_jax.interop.pretrained import load_pretrained, resize_positional_embedding
+from clip_jax.interop.opener import load_pretrained
+from clip_jax.interop.pretrained import resize_positional_embedding
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.optim.lock import LockSpec, trainable_mask
@@ -109,7 +110,7 @@ def tiny_params():
 
 def _run_steps(lock: LockSpec, params, steps=2):
     adamw = OptimizerSpec(lr=1e-2, weight_decay=0.2)
-    step = build_step(StepSpec(TINY, optimizer=adamw, lock=lock), create_mesh())
+    step = build_step(StepSpec.for_model(TINY, optimizer=adamw, lock=lock), create_mesh())
     state = step.state_from_params(jax.tree.map(np.array, params))
     images, tokens = random_inputs(32, 20, 600, batch=16, seed=2)
     for _ in range(steps):
@@ -138,7 +139,7 @@ def _adam_state(opt_state) -> optax.ScaleByAdamState:
 @pytest.mark.slow
 def test_a_locked_image_tower_is_not_back_propagated_through(tiny_params):
     def step_flops(lock):
-        step = build_step(StepSpec(TINY, lock=lock), create_mesh(jax.devices()[:1]))
+        step = build_step(StepSpec.for_model(TINY, lock=lock), create_mesh(jax.devices()[:1]))
         return step.compile(per_device_batch=2).cost_analysis()["flops"]
 
     assert step_flops(LockSpec(image=True)) < 0.8 * step_flops(LockSpec())
@@ -146,7 +147,7 @@ def test_a_locked_image_tower_is_not_back_propagated_through(tiny_params):
 
 @pytest.mark.slow
 def test_spike_telemetry_of_a_locked_image_tower_reads_no_moments_for_it(tiny_params):
-    spec = StepSpec(TINY, optimizer=OptimizerSpec(lr=1e-2), lock=LockSpec(image=True), telemetry_every=1)
+    spec = StepSpec.for_model(TINY, optimizer=OptimizerSpec(lr=1e-2), lock=LockSpec(image=True), telemetry_every=1)
     step = build_step(spec, create_mesh())
     images, tokens = random_inputs(32, 20, 600, batch=16, seed=2)
     _, metrics = step(step.state_from_params(jax.tree.map(np.array, tiny_params)),

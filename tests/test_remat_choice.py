@@ -38,7 +38,7 @@ def compiled(h200_mesh):
 
 @pytest.fixture(scope="module")
 def spec(tiny_model_config):
-    return StepSpec(tiny_model_config, "bf16", "auto", attention_impl="cudnn")
+    return StepSpec.for_model(tiny_model_config, "bf16", "auto", attention_impl="cudnn")
 
 
 def test_auto_on_a_cpu_is_nothing_saveable_without_compiling(spec):

@@ -102,6 +102,18 @@ def test_a_run_stopped_and_resumed_on_the_bucket_ends_as_the_uninterrupted_one(r
 
 
 @pytest.mark.slow
+def test_a_run_on_the_bucket_opens_as_a_model_as_on_disk(runs):
+    from clip_jax.interop.opener import open_model
+
+    local, remote = open_model(runs["local"]), open_model(runs["remote"])
+    assert remote.source.kind == "a clip_jax run directory"
+    assert (remote.config, remote.preprocessing) == (local.config, local.preprocessing)
+    jax.tree.map(np.testing.assert_array_equal, remote.variables(), {"params": read_params(runs["remote"])})
+    with pytest.raises(MissingInput, match=f"s3://{BUCKET}/runs/nothing does not exist: give a clip_jax run"):
+        open_model(f"s3://{BUCKET}/runs/nothing")
+
+
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_keep_n_deletes_old_steps_on_the_bucket(runs, s3):
     assert runs["steps_when_stopped"] == [8, STOP_AT]  # step 4 was deleted when 8 and 10 were saved

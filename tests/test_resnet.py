@@ -254,7 +254,7 @@ def test_train_mode_batch_statistics_equal_open_clips(tiny_torch):
 
 
 def test_loading_params_alone_refuses_a_resnet_model(tmp_path):
-    from clip_jax.interop import pretrained
+    from clip_jax.interop import opener
 
     with pytest.raises(InvalidInput, match="load_pretrained_variables"):  # its BatchNorm statistics would be lost
-        pretrained.load_pretrained(str(tmp_path), "RN50")
+        opener.load_pretrained(str(tmp_path), "RN50")

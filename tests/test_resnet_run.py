@@ -19,7 +19,7 @@ from clip_jax.data import make_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import ShardedEncoder, zeroshot
 from clip_jax.interop import export, similarity, weight_files
-from clip_jax.interop.pretrained import load_pretrained, load_pretrained_variables
+from clip_jax.interop.opener import load_pretrained, load_pretrained_variables
 from clip_jax.models import create_model
 from clip_jax.runtime.checkpoints import read_params, read_variables
 from clip_jax.runtime.mesh import create_mesh

@@ -132,7 +132,7 @@ def _assert_matches(start, losses, state, expected):
 def test_accumulation_with_fsdp_and_remat_equals_an_independent_single_device_loop(start):
     """Each micro-batch normalised with its own statistics, the running statistics updated once per micro-batch in
     order, the loss over the whole batch; conv kernels split over the devices, every block rematerialised."""
-    spec = StepSpec(TINY_RN, fsdp=True, remat_policy="nothing_saveable", accum_steps=2, optimizer=SGD)
+    spec = StepSpec.for_model(TINY_RN, fsdp=True, remat_policy="nothing_saveable", accum_steps=2, optimizer=SGD)
     step, losses, state = _run(spec, start)
     layer4 = step.shardings.params["visual"]["layer4"]["0"]
     assert any(s is not None for s in layer4["conv3"]["kernel"].spec)  # the conv kernel is split
@@ -150,7 +150,8 @@ def _run_locked(start, freeze_bn_stats: bool):
     """Two AdamW steps on 2 devices with the image tower locked; the params are checked frozen and the text tower
     moving, and the optimizer to hold two moments for the trainable params only (and a few counters)."""
     adamw = OptimizerSpec("adamw", lr=1e-3)
-    spec = StepSpec(TINY_RN, lock=LockSpec(image=True, image_freeze_bn_stats=freeze_bn_stats), optimizer=adamw)
+    spec = StepSpec.for_model(TINY_RN, lock=LockSpec(image=True, image_freeze_bn_stats=freeze_bn_stats),
+                              optimizer=adamw)
     _, losses, state = _run(spec, start, devices=2)
     after = jax.device_get(state)
     jax.tree.map(np.testing.assert_array_equal, after.params["visual"], start["params"]["visual"])
@@ -216,13 +217,14 @@ def test_the_config_flag_reaches_the_lock_and_is_refused_without_a_locked_image_
 ])
 def test_what_a_resnet_step_is_not_built_with_is_refused(options, named):
     with pytest.raises(InvalidInput, match=named):
-        StepSpec(TINY_RN, **options)
+        StepSpec.for_model(TINY_RN, **options)
 
 
 @pytest.mark.parametrize("precision, param_dtype", [("fp32", jnp.float32), ("bf16", jnp.float32),
                                                      ("pure_bf16", jnp.bfloat16)])
 def test_precision_policies_store_conv_and_batch_norm_params_and_keep_statistics_in_fp32(precision, param_dtype):
-    step = build_step(StepSpec(TINY_RN, precision=precision), mesh_for(StepSpec(TINY_RN), jax.devices()[:1]))
+    step = build_step(StepSpec.for_model(TINY_RN, precision=precision),
+                      mesh_for(StepSpec.for_model(TINY_RN), jax.devices()[:1]))
     params, stats = step.abstract_state.params["visual"], step.abstract_state.batch_stats["visual"]
     assert params["layer1"]["0"]["conv2"]["kernel"].dtype == param_dtype
     assert params["layer1"]["0"]["bn2"]["scale"].dtype == param_dtype

@@ -70,7 +70,7 @@ def _reference(variables):
 
 def _sharded_steps(variables, n_devices: int):
     mesh = create_mesh(jax.devices()[:n_devices])
-    step = build_step(StepSpec(TINY_STEP, optimizer=SGD), mesh)
+    step = build_step(StepSpec.for_model(TINY_STEP, optimizer=SGD), mesh)
     state = step.state_from_params(variables["params"], variables["batch_stats"])
     losses, stats_after = [], []
     for batch in _batches():
@@ -151,11 +151,11 @@ def test_a_checkpoint_restores_batch_stats(eight_devices, orbax_writes_replicate
 def test_patch_dropout_is_refused():
     """What else the ResNet step takes (FSDP, remat, accumulation, a locked tower): tests/test_resnet_step_options.py"""
     with pytest.raises(InvalidInput, match="patch_dropout=0.5"):
-        StepSpec(TINY_STEP, patch_dropout=0.5)
+        StepSpec.for_model(TINY_STEP, patch_dropout=0.5)
 
 
 @pytest.mark.slow
 def test_a_state_without_batch_stats_is_refused(start):
-    step = build_step(StepSpec(TINY_STEP, optimizer=SGD), create_mesh(jax.devices()[:1]))
+    step = build_step(StepSpec.for_model(TINY_STEP, optimizer=SGD), create_mesh(jax.devices()[:1]))
     with pytest.raises(InvalidInput, match="batch_stats"):
         step.state_from_params(start["params"])

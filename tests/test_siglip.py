@@ -134,11 +134,11 @@ def test_logit_bias_is_not_decayed():
 
 
 def test_the_siglip_loss_gives_a_model_without_a_bias_open_clips_siglip_head():
-    spec = StepSpec(TINY, loss="siglip")
+    spec = StepSpec.for_model(TINY, loss="siglip")
     assert (spec.model.init_logit_scale, spec.model.init_logit_bias) == (math.log(10), -10.0)
-    own = StepSpec({**SIGLIP_TINY, "init_logit_bias": -5.0, "init_logit_scale": 1.0}, loss="siglip")
+    own = StepSpec.for_model({**SIGLIP_TINY, "init_logit_bias": -5.0, "init_logit_scale": 1.0}, loss="siglip")
     assert (own.model.init_logit_scale, own.model.init_logit_bias) == (1.0, -5.0)  # a config's own head is kept
-    assert StepSpec(TINY).model.init_logit_bias is None
+    assert StepSpec.for_model(TINY).model.init_logit_bias is None
 
     config = default_config()
     assert config.loss == "clip"
@@ -151,7 +151,7 @@ def test_the_siglip_loss_gives_a_model_without_a_bias_open_clips_siglip_head():
 
 def siglip_sgd_step(params, batch, *, n_devices, accum_steps=1, fsdp=False):
     mesh = create_mesh(jax.devices()[:n_devices])
-    step = build_step(StepSpec(SIGLIP_TINY, fsdp=fsdp, loss="siglip", optimizer=SGD, accum_steps=accum_steps),
+    step = build_step(StepSpec.for_model(SIGLIP_TINY, fsdp=fsdp, loss="siglip", optimizer=SGD, accum_steps=accum_steps),
                       mesh)
     state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
@@ -239,4 +239,4 @@ def test_configs_differing_only_in_the_head_are_different_specs():
     """The planner keys compiles on the spec: a SigLIP head must not be mistaken for CLIP's."""
     clip = get_model_config(TINY)
     assert dataclasses.replace(clip, init_logit_bias=-10.0) != clip
-    assert StepSpec(TINY, loss="siglip") != StepSpec(TINY)
+    assert StepSpec.for_model(TINY, loss="siglip") != StepSpec.for_model(TINY)

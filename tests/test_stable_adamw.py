@@ -131,7 +131,8 @@ def test_run_config_selects_stable_adamw_and_rejects_an_unknown_optimizer():
 
 @pytest.mark.slow
 def test_train_step_with_stable_adamw_splits_its_state_like_adamw_under_fsdp(tiny_model_config, random_batch):
-    specs = {name: StepSpec(tiny_model_config, fsdp=True, accum_steps=2, optimizer=OptimizerSpec(name, lr=1e-3))
+    specs = {name: StepSpec.for_model(tiny_model_config, fsdp=True, accum_steps=2,
+                                      optimizer=OptimizerSpec(name, lr=1e-3))
              for name in ("adamw", "stable_adamw")}
     mesh = mesh_for(specs["adamw"])
     steps = {name: build_step(spec, mesh) for name, spec in specs.items()}

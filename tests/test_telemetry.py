@@ -51,7 +51,7 @@ def per_block_rms(leaves: dict) -> np.ndarray:
 
 @pytest.mark.slow
 def test_telemetry_equals_numpy_from_independent_gradients(tiny_model_config, random_batch):
-    spec = StepSpec(tiny_model_config, optimizer=OptimizerSpec(lr=1e-3, b2=B2, eps=EPS), telemetry_every=2)
+    spec = StepSpec.for_model(tiny_model_config, optimizer=OptimizerSpec(lr=1e-3, b2=B2, eps=EPS), telemetry_every=2)
     step = build_step(spec, mesh_for(spec, jax.devices()[:1]))
     batches = [random_batch(8), {k: v[::-1].copy() for k, v in random_batch(8).items()}]
     state = step.init(0)

@@ -189,7 +189,7 @@ def test_step_spec_refuses_what_no_step_compiles(tiny_model_config):
                             ({"attention_impl": "auto"}, "resolve 'auto'"), ({"accum_steps": 0}, "accum_steps"),
                             ({"loss": "sigmoid"}, "loss 'sigmoid'")]:
         with pytest.raises(ValueError, match=message):
-            StepSpec(tiny_model_config, **fields)
+            StepSpec.for_model(tiny_model_config, **fields)
     with pytest.raises(ValueError, match="optimizer 'lamb'"):
         OptimizerSpec("lamb")
 

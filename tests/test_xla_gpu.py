@@ -86,8 +86,8 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     optimizer = OptimizerSpec(config.opt, lr=config.lr, warmup=config.warmup, weight_decay=config.wd,
                               b1=config.beta1, b2=config.beta2, eps=config.eps,
                               grad_clip_norm=config.grad_clip_norm or None)
-    built = build_step(StepSpec(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True,
-                                optimizer=optimizer, telemetry_every=config.log_every_n_steps), mesh)
+    built = build_step(StepSpec.for_model(str(model_file), "bf16", "nothing_saveable", "cudnn", fsdp=True,
+                                          optimizer=optimizer, telemetry_every=config.log_every_n_steps), mesh)
     shapes = jax.eval_shape(lambda rng: init_train_state(init_params(built.model, rng), built.optimizer),
                             jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=True)
@@ -185,7 +185,7 @@ def test_gradients_cross_devices_in_float32_reduce_scattered_under_fsdp_all_redu
     model per step) and all-reduces next to nothing; a replica all-reduces the whole gradient in float32, or in
     bf16, half the bytes, with `grad_reduce_dtype="bfloat16"`."""
     mesh = create_mesh(gpu_devices("a100-40gb", 1, 8))
-    fsdp = StepSpec("ViT-B-32", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
+    fsdp = StepSpec.for_model("ViT-B-32", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
     weights = param_bytes(fsdp, 4)
     sharded = xla_gpu.collectives(planner.compile_train_step(fsdp, mesh, 4).as_text())
     assert 0.8 * weights <= sharded.bytes_by_dtype["reduce-scatter"]["f32"] <= 1.05 * weights
@@ -213,7 +213,7 @@ B32_H200_BATCH = 64
 
 
 def b32_step_on_an_h200(precision: str):
-    return planner.compile_train_step(StepSpec("ViT-B-32", precision, "none", attention_impl="cudnn"),
+    return planner.compile_train_step(StepSpec.for_model("ViT-B-32", precision, "none", attention_impl="cudnn"),
                                       create_mesh(gpu_devices("h200", 1, 1)), B32_H200_BATCH)
 
 
@@ -264,7 +264,7 @@ def test_fsdp_state_of_vit_l_14_shrinks_about_n_fold_on_384_gpus():
     3 x 128 grid, the rest 384 ways, so the state per device shrinks more than 128-fold (it stayed at 2.55 GiB, a
     1.9-fold shrink, when those kernels were kept whole); the step compiles and all-reduces next to nothing."""
     devices = gpu_devices("a100-40gb", 96, 4)
-    fsdp = StepSpec("ViT-L-14", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
+    fsdp = StepSpec.for_model("ViT-L-14", "bf16", "nothing_saveable", attention_impl="cudnn", fsdp=True)
     grid = mesh_for(fsdp, devices)
     assert dict(grid.shape) == {"replica": 3, "data": 128}
     replica = planner.state_bytes_per_device(dataclasses.replace(fsdp, fsdp=False), create_mesh(devices))

@@ -22,16 +22,16 @@ import time
 
 import jax
 
-from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation.classifier import check_vocabulary
 from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.linear_probe import ProbeOptions
-from clip_jax.evaluation.zeroshot import model_label, read_checkpoint
-from clip_jax.interop.inference import pretrained_model_config, saved_preprocessing
+from clip_jax.evaluation.zeroshot import model_label
+from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
+from clip_jax.models.variables import eval_variables
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
@@ -85,13 +85,12 @@ def output_path(args, layout: clip_benchmark.Layout, task: str, model: str) -> s
 
 def load_model(args):
     """(model, params replicated on the mesh, mesh, mean, std, model name) of `--pretrained` / `--model`."""
-    saved = saved_preprocessing(args.pretrained)
-    mean, std = tuple(saved.get("mean") or OPENAI_MEAN), tuple(saved.get("std") or OPENAI_STD)
-    model_config = args.model or pretrained_model_config(args.pretrained)
-    model = create_model(model_config, dtype="float32")
+    opened = open_model(args.pretrained, args.model, what="--pretrained")
+    mean, std = opened.normalization()
+    model = create_model(opened.config, dtype="float32")
     check_vocabulary(model)
     mesh = create_mesh()
-    params = replicate(read_checkpoint(args.pretrained, model.config), mesh)
+    params = replicate(eval_variables(**opened.variables()), mesh)
     return model, params, mesh, mean, std, model_label(args.model or model.config.name)
 
 
@@ -147,13 +146,8 @@ def evaluate(args, job, loaded) -> dict:
 
 
 def run_eval(args) -> list[dict]:
-    if not os.path.exists(args.pretrained):
-        raise MissingInput(f"--pretrained {args.pretrained} does not exist")
-    model_name = model_label(args.model) if args.model else None
-    if model_name is None:
-        model_name = pretrained_model_config(args.pretrained).name if os.path.isdir(args.pretrained) else None
-    if model_name is None:
-        raise InvalidInput(f"--pretrained {args.pretrained} does not say which model it holds: give --model")
+    opened = open_model(args.pretrained, args.model, what="--pretrained")  # what it holds, before any dataset
+    model_name = model_label(args.model or opened.config.name)
     jobs = plan(args, model_name)
     todo = [job for job in jobs if not (args.skip_existing and os.path.exists(job[2]))]
     for job in jobs:

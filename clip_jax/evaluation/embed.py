@@ -72,17 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_model(clip_model: str, model_name: str | None):
     """(model, params, image mean, image std) of what `--clip_model` names."""
-    from clip_jax.interop.inference import create_model_and_transforms
+    from clip_jax.interop.opener import open_model
+    from clip_jax.models import create_model
+    from clip_jax.models.variables import eval_variables
 
-    if not os.path.exists(clip_model):
-        raise MissingInput(f"--clip_model {clip_model} does not exist: give an exported model folder, a clip_jax run "
-                           "directory, a transformers CLIPModel folder, or an OpenCLIP checkpoint file with "
-                           "--model NAME")
+    opened = open_model(clip_model, model_name, what="--clip_model")
     try:
-        model, params, _, eval_transform = create_model_and_transforms(model_name, pretrained=clip_model)
+        params = eval_variables(**opened.variables())
     except InvalidInput as e:
         raise InvalidInput(f"--clip_model {clip_model}: {e}" + ("" if model_name else " (--model NAME)")) from None
-    return model, params, eval_transform.keywords["mean"], eval_transform.keywords["std"]
+    return create_model(opened.config), params, *opened.normalization()
 
 
 class Progress:

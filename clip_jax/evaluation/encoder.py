@@ -73,7 +73,7 @@ class ShardedEncoder:
             raise InvalidInput(f"{self.model.config.name}: a ResNet image tower evaluates with its BatchNorm running "
                                "statistics: give the variables {'params': ..., 'batch_stats': ...} (e.g. "
                                "clip_jax.runtime.checkpoints.read_variables, "
-                               "clip_jax.interop.pretrained.load_pretrained_variables), "
+                               "clip_jax.interop.opener.load_pretrained_variables), "
                                "not its params alone")
         return replicate(params, self.mesh)
 

@@ -38,20 +38,11 @@ from clip_jax.evaluation.datasets import ClassificationSet, open_classification_
 from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
-from clip_jax.interop.inference import pretrained_model_config, saved_preprocessing
-from clip_jax.interop.pretrained import load_pretrained_variables
+from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
 from clip_jax.runtime import ownership, xla_gpu
 from clip_jax.runtime.mesh import create_mesh
-
-
-def read_checkpoint(checkpoint: str, model) -> dict:
-    """Host params of `model` (a name, model-config file or `CLIPConfig`) from a training run (run directory, or
-    one `checkpoints/STEP` folder), an exported model folder, a clip_jax params file, or an OpenCLIP checkpoint
-    (converted on the fly). A ResNet image tower's are its variables (params and BatchNorm statistics), which the
-    evaluation applies in eval mode."""
-    return eval_variables(**load_pretrained_variables(checkpoint, model))
 
 
 def _templates(arg: str | None) -> tuple[str, ...] | None:
@@ -160,15 +151,14 @@ def format_tables(results: dict) -> str:
 
 
 def run(args) -> dict:
-    saved = saved_preprocessing(args.checkpoint)
-    args.mean = tuple(args.mean or saved.get("mean") or OPENAI_MEAN)
-    args.std = tuple(args.std or saved.get("std") or OPENAI_STD)
-    if args.model is None:  # the model an exported folder or a run holds, at the image size it trained at
-        model_config = pretrained_model_config(args.checkpoint)
-        args.model = model_config.name
+    # the model an exported folder or a run holds (at the image size it trained at), unless --model names one
+    opened = open_model(args.checkpoint, args.model, what="--checkpoint") if args.checkpoint else None
+    if opened is None:
+        args.mean, args.std = tuple(args.mean or OPENAI_MEAN), tuple(args.std or OPENAI_STD)
     else:
-        model_config = args.model
-    model = create_model(model_config, dtype=args.compute_dtype)
+        args.mean, args.std = opened.normalization(args.mean, args.std)
+        args.model = args.model or opened.config.name
+    model = create_model(args.model if opened is None else opened.config, dtype=args.compute_dtype)
     check_vocabulary(model)
     mesh = create_mesh()
     datasets = classification_sets(args)
@@ -176,8 +166,8 @@ def run(args) -> dict:
     retrieval_set = load_retrieval_set(args.retrieval) if args.retrieval else None
     if retrieval_set is not None and args.limit:
         retrieval_set = first_images(retrieval_set, args.limit)
-    if args.checkpoint:
-        params = read_checkpoint(args.checkpoint, model.config)
+    if opened is not None:
+        params = eval_variables(**opened.variables())
     else:
         params = eval_variables(**init_variables(model, jax.random.key(args.seed)))
         if jax.process_index() == 0:

@@ -1,5 +1,6 @@
-"""clip_jax and the outside world: OpenCLIP and transformers weights both ways, pretrained starts, export to
-OpenCLIP's and transformers' folders, the inference API (`create_model_and_transforms`), the similarity demo."""
+"""clip_jax and the outside world: the model opener (`opener.open_model`: what a path holds), OpenCLIP and
+transformers weights both ways, pretrained starts, export to OpenCLIP's and transformers' folders, the inference
+API (`create_model_and_transforms`), the similarity demo."""
 
 import functools
 

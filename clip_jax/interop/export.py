@@ -27,29 +27,16 @@ import sys
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder
 from clip_jax.interop.hf_clip import hf_unsupported
-from clip_jax.interop.pretrained import (EXPORT_CONFIG, EXPORT_WEIGHTS, is_export_folder, load_pretrained_variables,
-                                         read_run_config, run_directory, run_model_config)
+from clip_jax.interop.open_clip_folder import EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE
+from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
-from clip_jax.models.registry import get_model_config
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
-from clip_jax.runtime import ownership, xla_gpu
-
-# What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
-INTERPOLATION, RESIZE_MODE = "bicubic", "shortest"
+from clip_jax.runtime import ownership, storage, xla_gpu
 
 
 def preprocess_cfg(image_size: int, mean, std) -> dict:
     return {"size": int(image_size), "mode": "RGB", "mean": [float(x) for x in mean], "std": [float(x) for x in std],
             "interpolation": INTERPOLATION, "resize_mode": RESIZE_MODE}
-
-
-def trained_model(run_config) -> CLIPConfig:
-    """The model a run trained (`pretrained.run_model_config`), its model config file named when it is gone."""
-    try:
-        return run_model_config(run_config)
-    except MissingInput as e:
-        raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
 
 
 def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, transformers: bool = True) -> str | None:
@@ -94,37 +81,20 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     to `out_dir`; returns the exported model's config and why transformers' files were not written (None when they
     were). `model`, `mean`, `std` replace what the run says (and are needed for a bare weights file: without them,
     OpenAI's mean and std)."""
-    if not os.path.exists(source):
-        raise MissingInput(f"{source} does not exist")
-    run_dir = run_directory(source) if os.path.isdir(source) and not is_export_folder(source) else None
-    if run_dir is not None:
-        run_config = read_run_config(run_dir)
-        config = get_model_config(model) if model is not None else trained_model(run_config)
-        mean = run_config.image_mean if mean is None else mean
-        std = run_config.image_std if std is None else std
-        if step is not None:
-            source = os.path.join(run_dir, "checkpoints", str(step))
-            if not os.path.isdir(source):
-                raise MissingInput(f"no checkpoint of step {step}: {source} does not exist")
-    elif os.path.isdir(source) and is_export_folder(source):
-        from clip_jax.interop.pretrained import export_model_config, folder_preprocessing
-
-        config = get_model_config(model) if model is not None else export_model_config(source)
-        saved = folder_preprocessing(source)
-        mean = saved.get("mean", OPENAI_MEAN) if mean is None else mean
-        std = saved.get("std", OPENAI_STD) if std is None else std
-    else:
-        if step is not None:
+    if step is not None:
+        run_dir = run_directory(source) if isinstance(model_source(source), (RunDirectory, CheckpointFolder)) else None
+        if run_dir is None:
             raise InvalidInput(f"--step names a checkpoint of a run; {source} is not a run directory")
-        if model is None:
-            raise InvalidInput(f"{source} is not a clip_jax run: give its model with --model (e.g. ViT-L-14)")
-        config = get_model_config(model)
-    mean, std = tuple(OPENAI_MEAN if mean is None else mean), tuple(OPENAI_STD if std is None else std)
+        source = storage.join(run_dir, "checkpoints", str(step))
+        if not storage.isdir(source):
+            raise MissingInput(f"no checkpoint of step {step}: {source} does not exist")
+    opened = open_model(source, model)
+    mean, std = opened.normalization(mean, std)
     if len(mean) != 3 or len(std) != 3:
         raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
-    skipped = export_open_clip(load_pretrained_variables(source, config), config, out_dir, mean=mean, std=std,
+    skipped = export_open_clip(opened.variables(), opened.config, out_dir, mean=mean, std=std,
                                transformers=transformers)
-    return config, skipped
+    return opened.config, skipped
 
 
 def main(argv=None) -> int:

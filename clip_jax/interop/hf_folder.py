@@ -5,8 +5,8 @@
 `preprocessor_config.json` (shortest side to the image size, bicubic, center crop, the mean and std) and the
 tokenizer's files for clip_jax's BPE (`vocab.json`, `merges.txt`, `tokenizer_config.json`,
 `special_tokens_map.json`). The readers take a folder in that layout, written by clip_jax or by transformers
-(such as `openai/clip-vit-large-patch14`): `is_hf_folder`, `hf_model_config`, `hf_preprocessing`,
-`read_hf_state_dict` (OpenCLIP's names).
+(such as `openai/clip-vit-large-patch14`): `is_hf_folder`, `hf_model_config`, `check_hf_model`,
+`hf_preprocessing`, `read_hf_state_dict` (OpenCLIP's names).
 """
 
 import json
@@ -14,7 +14,7 @@ import os
 
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop.hf_clip import config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
-from clip_jax.models.config import CLIPConfig
+from clip_jax.models.config import CLIPConfig, is_resnet
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # in the order transformers prefers them
@@ -52,6 +52,31 @@ def hf_model_config(folder: str) -> CLIPConfig:
     """The model a CLIPModel folder's `config.json` describes, named after the folder."""
     path = os.path.join(folder, CONFIG)
     return config_from_hf(_read_json(path), name=os.path.basename(os.path.normpath(folder)), where=path)
+
+
+def _recorded(c: CLIPConfig) -> dict:
+    """What a transformers `config.json` records of a ViT model, to compare with the model asked for (not the image
+    size: a checkpoint's positional embedding is resized to the model's, as for any pretrained start)."""
+    v, t = c.vision, c.text
+    return {"embed_dim": c.embed_dim, "quick_gelu": c.quick_gelu,
+            **{f"vision {k}": getattr(v, k) for k in ("patch_size", "width", "layers", "heads", "mlp_width")},
+            **{f"text {k}": getattr(t, k) for k in ("context_length", "vocab_size", "width", "heads", "layers",
+                                                    "mlp_width", "pool_type")},
+            **{f"{tower} {k}": getattr(getattr(c, tower).block, k) for tower in ("vision", "text")
+               for k in ("norm_eps", "gelu_approximate")}}
+
+
+def check_hf_model(folder: str, held: CLIPConfig, wanted: CLIPConfig) -> None:
+    """Refuses, in one line naming the differences, a CLIPModel folder whose model (`held`) is not `wanted`."""
+    if is_resnet(wanted):
+        differences = [f"{wanted.name} has a ResNet image tower, the folder's model a ViT"]
+    else:
+        ours, theirs = _recorded(held), _recorded(wanted)
+        differences = [f"{what} {ours[what]} (not {theirs[what]})" for what in ours if ours[what] != theirs[what]]
+    if differences:
+        raise InvalidInput(f"{folder} holds another model than {wanted.name} (its {CONFIG}: "
+                           f"{', '.join(differences)}): leave the model out to use the folder's, or name the "
+                           "model it holds")
 
 
 def hf_preprocessing(folder: str) -> dict:

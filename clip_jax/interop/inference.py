@@ -13,7 +13,6 @@ else OpenAI's, as OpenCLIP's defaults.
 """
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -51,34 +50,6 @@ def _rgb(image):
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def saved_preprocessing(pretrained: str | None) -> dict:
-    """The mean/std (and, for a folder, interpolation and resize mode) the pretrained weights were trained with."""
-    from clip_jax.interop.pretrained import folder_preprocessing, is_export_folder, read_run_config, run_directory
-
-    if pretrained is None or not os.path.isdir(pretrained):
-        return {}
-    if is_export_folder(pretrained):
-        return folder_preprocessing(pretrained)
-    if run_directory(pretrained) is not None:
-        run_config = read_run_config(pretrained)
-        return {"mean": tuple(run_config.image_mean), "std": tuple(run_config.image_std)}
-    return {}
-
-
-def pretrained_model_config(pretrained: str | None):
-    """The model an exported folder or a run holds (at the image size the run trained at)."""
-    from clip_jax.interop.pretrained import export_model_config, is_export_folder, read_run_config, run_directory
-
-    if pretrained is not None and is_export_folder(pretrained):
-        return export_model_config(pretrained)
-    if pretrained is not None and os.path.isdir(pretrained) and run_directory(pretrained) is not None:
-        from clip_jax.interop.export import trained_model
-
-        return trained_model(read_run_config(pretrained))
-    raise InvalidInput(f"{pretrained!r} is neither an exported model folder nor a clip_jax run, so it does not say "
-                       "which model it holds: name the model")
-
-
 def create_model_and_transforms(name_or_config, pretrained: str | None = None, *, image_mean=None, image_std=None,
                                 dtype=None, seed: int = 0) -> tuple:
     """(model, params, train_transform, eval_transform), like OpenCLIP's function of the same name. For a ResNet
@@ -88,47 +59,44 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
     `name_or_config` None: the model an exported folder or a run given as `pretrained` holds (a run's at the image
     size it trained at; a model named here instead gets the weights fitted to its own size, as OpenCLIP does).
 
-    `pretrained`: anything `clip_jax.interop.pretrained.load_pretrained` reads (OpenCLIP checkpoint, exported folder,
-    clip_jax run or params file); None: freshly initialised params (`seed`). `image_mean` / `image_std` replace
-    the pretrained weights' own. `dtype`: the compute dtype (default float32); params are float32.
+    `pretrained`: any model path `clip_jax.interop.opener.open_model` opens (OpenCLIP checkpoint, exported or
+    transformers folder, clip_jax run, checkpoint or params file); None: freshly initialised params (`seed`).
+    `image_mean` / `image_std` replace the pretrained weights' own. `dtype`: the compute dtype (default float32);
+    params are float32.
     """
     import jax
     import jax.numpy as jnp
 
-    from clip_jax.interop.pretrained import export_model_config, load_pretrained_variables
+    from clip_jax.interop.opener import open_model
     from clip_jax.models import create_model, get_model_config, init_variables
     from clip_jax.models.variables import eval_variables
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
         folder = name_or_config[len(LOCAL_DIR):]
-        config = export_model_config(folder)
+        name_or_config = open_model(folder).config
         pretrained = folder if pretrained is None else pretrained
-    elif name_or_config is None:
-        config = pretrained_model_config(pretrained)
-    else:
-        config = get_model_config(name_or_config)
+    if name_or_config is None and pretrained is None:
+        raise InvalidInput("name a model, or give pretrained weights that hold one (an exported folder, a run)")
+    opened = None if pretrained is None else open_model(pretrained, name_or_config)
+    config = get_model_config(name_or_config) if opened is None else opened.config
     model = create_model(config, dtype=jnp.float32 if dtype is None else dtype)
-    if pretrained is None:
+    if opened is None:
         variables = init_variables(model, jax.random.key(seed))
+        mean, std = tuple(image_mean or OPENAI_MEAN), tuple(image_std or OPENAI_STD)
     else:
-        variables = load_pretrained_variables(pretrained, config)
-    params = eval_variables(**variables)
-    saved = saved_preprocessing(pretrained)
-    mean = tuple(image_mean or saved.get("mean") or OPENAI_MEAN)
-    std = tuple(image_std or saved.get("std") or OPENAI_STD)
+        variables = opened.variables()
+        mean, std = opened.normalization(image_mean, image_std)
     options = {"size": config.vision.image_size, "mean": mean, "std": std}
-    return model, params, functools.partial(train_transform, **options), functools.partial(eval_transform, **options)
+    return model, eval_variables(**variables), functools.partial(train_transform, **options), functools.partial(
+        eval_transform, **options)
 
 
 def get_tokenizer(name_or_config) -> Callable:
     """`tokenizer(texts) -> int32 [N, context_length]` for the model (OpenAI's BPE, the model's context length)."""
-    from clip_jax.interop.pretrained import export_model_config
+    from clip_jax.interop.opener import open_model
+    from clip_jax.models import get_model_config
     from clip_jax.tokenizer import tokenize
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
-        config = export_model_config(name_or_config[len(LOCAL_DIR):])
-    else:
-        from clip_jax.models import get_model_config
-
-        config = get_model_config(name_or_config)
-    return functools.partial(tokenize, context_length=config.text.context_length)
+        return open_model(name_or_config[len(LOCAL_DIR):]).tokenizer
+    return functools.partial(tokenize, context_length=get_model_config(name_or_config).text.context_length)

@@ -2,8 +2,8 @@
 
 By default: one Fashion-MNIST test image per class (the bundled demo data) against the prompt "a photo of a {class}."
 for each class, with a freshly initialised model, which shows the whole path (data -> eval transform -> tokenizer ->
-both towers) but matches at chance. Give `--checkpoint` (clip_jax params or variables, or an OpenCLIP checkpoint
-converted on the fly) to see a trained model's zero-shot guesses.
+both towers) but matches at chance. Give `--checkpoint` (any model path: clip_jax params or variables, an OpenCLIP
+checkpoint converted on the fly, an exported folder, a run) to see a trained model's zero-shot guesses.
 """
 
 import argparse
@@ -16,7 +16,7 @@ from PIL import Image
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
 from clip_jax.errors import UserError
-from clip_jax.interop.weight_files import load_variables
+from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.runtime import xla_gpu
 from clip_jax.tokenizer import tokenize
@@ -48,7 +48,8 @@ def format_table(probs: np.ndarray, row_names, column_names) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.similarity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-B-32", help="model name or OpenCLIP model-config .json")
-    parser.add_argument("--checkpoint", help="clip_jax params .npz, or an OpenCLIP .pt/.bin/.safetensors/.npz")
+    parser.add_argument("--checkpoint", help="clip_jax params .npz, an OpenCLIP .pt/.bin/.safetensors/.npz, an "
+                        "exported folder or a run (read as --model)")
     parser.add_argument("--data-dir", default=fashion_mnist.DEFAULT_DIR, help="folder of the Fashion-MNIST .gz files")
     parser.add_argument("--mean", type=float, nargs=3, default=OPENAI_MEAN, help="image mean (LAION L/14: 0.5 0.5 0.5)")
     parser.add_argument("--std", type=float, nargs=3, default=OPENAI_STD, help="image std (LAION L/14: 0.5 0.5 0.5)")
@@ -59,7 +60,9 @@ def main(argv=None) -> int:
         model = create_model(args.model)
         grey, labels = fashion_mnist.load("test", args.data_dir)
         # params, and a ResNet image tower's BatchNorm statistics (applied in eval mode)
-        variables = load_variables(args.checkpoint, args.model) if args.checkpoint else None
+        variables = None
+        if args.checkpoint:
+            variables = open_model(args.checkpoint, args.model, what="--checkpoint").variables()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

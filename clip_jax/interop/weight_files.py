@@ -22,6 +22,7 @@ import numpy as np
 from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
 from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
                                       variables_to_open_clip)
+from clip_jax.interop.opener import WeightsFile, model_source
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.runtime import ownership, xla_gpu
@@ -173,12 +174,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
-        arrays = read_arrays(args.src)
-        if _is_clip_jax(arrays):
+        source = model_source(args.src)
+        if not isinstance(source, WeightsFile):
+            raise InvalidInput(f"{args.src} is {source.kind}: convert takes a weights file; write a run's or a "
+                               "folder's weights with python -m clip_jax.export")
+        if source.holds_clip_jax():
             write_open_clip(args.dst, variables_to_open_clip(load_variables(args.src, args.model), args.model))
             direction = "clip_jax -> OpenCLIP"
         else:
-            variables = variables_from_open_clip(arrays, args.model)
+            variables = variables_from_open_clip(source.arrays, args.model)
             # a ViT model's file holds its params alone; a ResNet model's, both collections under their names
             save_params(args.dst, variables if is_resnet(get_model_config(args.model)) else variables["params"])
             direction = "OpenCLIP -> clip_jax"

@@ -261,3 +261,17 @@ def with_siglip_head(config: CLIPConfig) -> CLIPConfig:
 def with_patch_dropout(config: CLIPConfig, rate: float) -> CLIPConfig:
     """`config` whose image tower drops `rate` of its patches in training (checked by `VisionConfig`)."""
     return dataclasses.replace(config, vision=dataclasses.replace(config.vision, patch_dropout=float(rate)))
+
+
+def as_trained(config: CLIPConfig, *, image_size: int | None = None, siglip_head: bool = False,
+               patch_dropout: float | None = None) -> CLIPConfig:
+    """`config` as a train step trains it: at `image_size` (OpenCLIP's --force-image-size; None or 0: its own), with
+    OpenCLIP's --siglip head for the sigmoid loss (`with_siglip_head`), its image tower dropping `patch_dropout` of
+    its patches (--force-patch-dropout; None: the config's own rate; a ResNet tower has no patches and takes none)."""
+    if image_size:
+        config = dataclasses.replace(config, vision=dataclasses.replace(config.vision, image_size=int(image_size)))
+    if siglip_head:
+        config = with_siglip_head(config)
+    if patch_dropout is not None and not is_resnet(config):
+        config = with_patch_dropout(config, patch_dropout)
+    return config

@@ -249,7 +249,7 @@ def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
         raise CheckpointNotFoundError(f"resume={resume!r} does not exist")
     name = storage.basename(path)
     if re.fullmatch(r"\d+", name) and storage.isdir(storage.join(path, STATE)):
-        if not _complete(storage.dirname(path), name):
+        if not is_complete(storage.dirname(path), name):
             raise CheckpointNotFoundError(f"resume={resume!r}: that checkpoint was never completed (its save was "
                                           f"interrupted: no {storage.COMMIT_FILE}); resume from an earlier step")
         return storage.dirname(path), int(name)
@@ -265,10 +265,11 @@ def latest_complete_step(directory: str) -> int | None:
     """The newest complete step under `directory`: on disk Orbax's temporary folders of unfinished saves are not
     steps; on a bucket a step folder without its commit file is an unfinished save."""
     steps = [int(name) for name in storage.listdir(directory) if re.fullmatch(r"\d+", name)]
-    return next((step for step in sorted(steps, reverse=True) if _complete(directory, str(step))), None)
+    return next((step for step in sorted(steps, reverse=True) if is_complete(directory, str(step))), None)
 
 
-def _complete(directory: str, name: str) -> bool:
+def is_complete(directory: str, name: str) -> bool:
+    """Whether step folder `name` under `directory` holds a complete checkpoint (see `latest_complete_step`)."""
     step_dir = storage.join(directory, name)
     if storage.is_remote(directory):
         return storage.isfile(storage.join(step_dir, storage.COMMIT_FILE))
@@ -286,9 +287,13 @@ def read_variables(path: str) -> dict:
     """Host variables from a run (`path` as for `read_params`): `{"params": ...}`, and `"batch_stats"` (float
     statistics float32, `num_batches_tracked` int32) when the run's image tower is a ResNet; what `model.apply`
     takes in eval mode."""
+    return read_step_variables(*resolve_resume(path, run_dir=path))
+
+
+def read_step_variables(directory: str, step: int) -> dict:
+    """Host variables (as `read_variables`) of checkpoint `step` under the checkpoints folder `directory`."""
     import numpy as np
 
-    directory, step = resolve_resume(path, run_dir=path)
     storage.prepare_for_orbax(directory)
     state_dir = storage.join(directory, str(step), STATE)
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))

@@ -20,13 +20,19 @@ import jax
 import numpy as np
 
 from clip_jax.runtime.cut_short import CutShort, cut_short_when
-from clip_jax.interop.pretrained import model_at_image_size
-from clip_jax.models import create_model
+from clip_jax.models import create_model, get_model_config
+from clip_jax.models.config import as_trained
 
 ZEROSHOT, VALIDATION, LINEAR_PROBE = "zeroshot", "validation", "linear_probe"
 # of the metric names each evaluation records
 RESULT_PREFIX = {ZEROSHOT: "zeroshot_", VALIDATION: "val_", LINEAR_PROBE: "lp_"}
 PROBE_VAL_PROPORTION = 0.2  # the share of the train split the probe's weight decay is searched on
+
+
+def eval_model(config):
+    """The model a training config's evaluations run: the model at the run's image size (its params are the run's;
+    the sigmoid loss's logit_bias and patch dropout play no part in an evaluation)."""
+    return as_trained(get_model_config(config.model), image_size=config.force_image_size)
 
 
 def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:
@@ -53,7 +59,7 @@ def open_zeroshot_evaluator(config, mesh):
         dataset = open_classification_set(kind, location)
     if config.zeroshot_samples:
         dataset = dataset.head(config.zeroshot_samples)
-    return ZeroShotEvaluator(create_model(model_at_image_size(config)), dataset, mesh,
+    return ZeroShotEvaluator(create_model(eval_model(config)), dataset, mesh,
                              batch_size=eval_batch_size(mesh), mean=tuple(config.image_mean),
                              std=tuple(config.image_std))
 
@@ -144,7 +150,7 @@ class Evaluations:
 
     @functools.cached_property
     def val_model(self):
-        return create_model(model_at_image_size(self.config))  # fp32 compute on the run's params, as zero-shot
+        return create_model(eval_model(self.config))  # fp32 compute on the run's params, as zero-shot
 
     def validate(self, weights, step: int) -> dict[str, float]:
         """Contrastive loss and retrieval recall@1/5/10 on `val_data`, as `val_*` metrics."""

@@ -27,10 +27,8 @@ from clip_jax.evaluation.linear_probe import ProbeOptions, fit_classifiers, sear
 from clip_jax.evaluation.shifts import inverted
 from clip_jax.interop.classification_head import write_head
 from clip_jax.interop.export import export_open_clip
-from clip_jax.interop.inference import pretrained_model_config, saved_preprocessing
-from clip_jax.interop.pretrained import load_pretrained_variables
-from clip_jax.models import create_model, get_model_config, is_resnet
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.interop.opener import open_model
+from clip_jax.models import create_model, is_resnet
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.optim.adamw import warmup_cosine_schedule
 from clip_jax.runtime import ownership, storage
@@ -76,15 +74,14 @@ def open_sets(c):
 
 def load_model(c):
     """(model in fp32, its config, CLIP params on the host, mean, std) of `pretrained`."""
-    model_config = get_model_config(c.model) if c.model else pretrained_model_config(c.pretrained)
+    opened = open_model(c.pretrained, c.model or None, what="pretrained")
+    model_config = opened.config
     if is_resnet(model_config):
         raise InvalidInput(f"{model_config.name}: fine-tuning with layer-wise learning-rate decay needs a ViT image "
                            "tower; a ResNet tower is not supported")
-    saved = saved_preprocessing(c.pretrained)
-    params = load_pretrained_variables(c.pretrained, model_config)["params"]
-    params = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
-    return (create_model(model_config), model_config, params, tuple(saved.get("mean") or OPENAI_MEAN),
-            tuple(saved.get("std") or OPENAI_STD))
+    mean, std = opened.normalization()
+    params = jax.tree.map(lambda p: np.asarray(p, np.float32), opened.variables()["params"])
+    return create_model(model_config), model_config, params, mean, std
 
 
 class Finetuner:

@@ -2,6 +2,7 @@
 mesh, and the trainer, the planner, the benchmarks and the tests all run what it returns.
 
     spec = StepSpec.from_config(config, platform="gpu", total_steps=schedule.total_steps)
+    spec = StepSpec.for_model("ViT-L-14", "bf16", fsdp=True)  # or from a model name and the fields that differ
     mesh = mesh_for(spec)                     # 1-D over every device, or the FSDP grid when the weights need one
     step = build_step(spec, mesh)
     state = step.init(seed=0)                 # or step.state_from_params(params)
@@ -16,7 +17,7 @@ guessed back from shardings).
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -26,9 +27,8 @@ import optax
 from jax.sharding import Mesh
 
 from clip_jax.errors import InvalidInput
-from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
-from clip_jax.models.config import with_patch_dropout, with_siglip_head
+from clip_jax.models.config import as_trained
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
@@ -77,21 +77,23 @@ class OptimizerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """What decides the compiled train step, besides the batch and the mesh. `model` may be given as anything
-    `get_model_config` takes (a registered name, an OpenCLIP config dict or .json path); it is kept resolved."""
+    """What decides the compiled train step, besides the batch and the mesh. `model` is the model as the step trains
+    it; a spec is built from a model name or OpenCLIP config with `for_model`, from a training config with
+    `from_config`, which give it the siglip head and patch dropout rate its `loss` and `patch_dropout` ask for."""
 
     model: CLIPConfig
     precision: str = "fp32"
     remat_policy: str = "none"  # applied to every residual block; "none": keep all activations
     attention_impl: str = "xla"  # the kernel, as chosen: "xla" or "cudnn" (see `choose_attention_impl`)
     fsdp: bool = False  # params and optimizer state split over the devices (ZeRO-3), else replicated
-    # "clip": OpenCLIP's softmax loss; "siglip": the sigmoid loss, for which a model config without
-    # init_logit_bias is given OpenCLIP's --siglip head (scale ln 10, bias -10; one with it keeps its own)
+    # "clip": OpenCLIP's softmax loss; "siglip": the sigmoid loss, whose model has a logit_bias (`for_model` gives
+    # a model config without init_logit_bias OpenCLIP's --siglip head: scale ln 10, bias -10)
     loss: str = "clip"
     optimizer: OptimizerSpec = OptimizerSpec()
     accum_steps: int = 1  # micro-batches per step, the loss still over the whole batch (OpenCLIP's accum_freq)
     # Patch dropout in training: None keeps the model config's `vision.patch_dropout`; a rate replaces it there
-    # (OpenCLIP's --force-patch-dropout), so `model` holds the rate the step runs with, and FLOPs count it.
+    # (OpenCLIP's --force-patch-dropout; `for_model`), so `model` holds the rate the step runs with, and FLOPs count
+    # it.
     patch_dropout: float | None = None
     seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
     # Spike telemetry (clip_jax.training.spike_telemetry) as metrics["telemetry"] on every this many steps (the
@@ -104,7 +106,9 @@ class StepSpec:
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
-            object.__setattr__(self, "model", get_model_config(self._model_source()))
+            raise InvalidInput(f"StepSpec's model is a CLIPConfig, the model as the step trains it; got "
+                               f"{type(self.model).__name__}: build the spec with StepSpec.for_model(name_or_config, "
+                               "...)")
         model_grad_dtype(get_policy(self.precision), self.grad_reduce_dtype)  # fails on a bad name
         model_residual_dtype(self.residual_dtype)
         if self.attention_impl not in ("xla", "cudnn"):
@@ -112,20 +116,28 @@ class StepSpec:
                              "(resolve 'auto' with choose_attention_impl)")
         if self.loss not in LOSSES:
             raise InvalidInput(f"loss {self.loss!r}: choose one of {tuple(LOSSES)}")
-        if self.loss == "siglip":
-            object.__setattr__(self, "model", with_siglip_head(self.model))
         if self.accum_steps < 1:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.telemetry_every < 0:
             raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
         if is_resnet(self.model):
             _check_resnet_step(self)
-        if self.patch_dropout is not None and not is_resnet(self.model):  # a ResNet's is 0: refused above if not
-            object.__setattr__(self, "model", with_patch_dropout(self.model, self.patch_dropout))
+        if self.model != self._trained(self.model):
+            raise InvalidInput(f"{self.model.name} is not the model this step trains (loss {self.loss!r}, "
+                               f"patch_dropout {self.patch_dropout}): build the spec with StepSpec.for_model, which "
+                               "gives the model the head and patch dropout rate they ask for")
 
-    def _model_source(self):
-        # A dict is not hashable, so a spec keeps the resolved CLIPConfig; a Mapping is read once, here.
-        return dict(self.model) if isinstance(self.model, Mapping) else self.model
+    def _trained(self, model: CLIPConfig) -> CLIPConfig:
+        return as_trained(model, siglip_head=self.loss == "siglip", patch_dropout=self.patch_dropout)
+
+    @classmethod
+    def for_model(cls, model, *fields, image_size: int | None = None, **named) -> "StepSpec":
+        """The spec of `model` (anything `get_model_config` takes) at `image_size` (None: its own) as a step with
+        these fields trains it: OpenCLIP's --siglip head under the sigmoid loss (a model with a logit_bias keeps its
+        own), `patch_dropout` in place of the config's rate (a ViT's). The one way a spec's model is derived."""
+        model = as_trained(get_model_config(model), image_size=image_size,
+                           siglip_head=named.get("loss", "clip") == "siglip", patch_dropout=named.get("patch_dropout"))
+        return cls(model, *fields, **named)
 
     @classmethod
     def from_config(cls, config, *, platform: str, total_steps: int | None = None,
@@ -136,15 +148,16 @@ class StepSpec:
         optimizer = OptimizerSpec(config.opt, lr=config.lr, warmup=config.warmup,
                                   total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
                                   b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
-        force_patch_dropout = config.force_patch_dropout
-        return cls(run_model_config(config), precision,
-                   config.remat_policy if config.grad_checkpointing else "none",
-                   choose_attention_impl(config.attention_impl, platform, get_policy(precision).compute_dtype),
-                   fsdp=bool(config.fsdp), loss=config.loss, optimizer=optimizer, accum_steps=config.accum_freq,
-                   patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
-                   else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
-                   telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
-                   grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype)
+        force_patch_dropout = config.force_patch_dropout  # -1: the model config's rate
+        return cls.for_model(config.model, precision, config.remat_policy if config.grad_checkpointing else "none",
+                             choose_attention_impl(config.attention_impl, platform,
+                                                   get_policy(precision).compute_dtype),
+                             image_size=config.force_image_size, fsdp=bool(config.fsdp), loss=config.loss,
+                             optimizer=optimizer, accum_steps=config.accum_freq,
+                             patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
+                             else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
+                             telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
+                             grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype)
 
     def create_model(self):
         policy = get_policy(self.precision)

@@ -22,7 +22,6 @@ import numpy as np
 from clip_jax import cli, data
 from clip_jax.errors import RunFailed
 from clip_jax.runtime.cut_short import CutShort, cut_short_when
-from clip_jax.interop.pretrained import run_model_config
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
@@ -71,7 +70,8 @@ class Trainer:
         self._stop_check("while the run was checked")
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
-        run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
+        # so does a model file that cannot be read, before the demo's shards are written
+        platform_spec = StepSpec.from_config(config, platform=jax.devices()[0].platform)
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
         self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
         self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
@@ -80,7 +80,7 @@ class Trainer:
         self._stop_check("while the data shards were found or written")
         self.schedule = make_schedule(config, jax.device_count(), self.shards)
         # An FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py).
-        self.mesh = mesh_for(StepSpec.from_config(config, platform=jax.devices()[0].platform))
+        self.mesh = mesh_for(platform_spec)
         self.engine = build_step(step_spec(config, self.schedule, self.mesh), self.mesh)
         self.data_seed = self.start.data.seed
         self.skipped_updates = self.rollbacks = 0
@@ -164,9 +164,9 @@ class Trainer:
     def _pretrained_state(self, path: str):
         """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes) and,
         for a ResNet image tower, their BatchNorm statistics; a fresh optimizer state, step 0."""
-        from clip_jax.interop.pretrained import load_pretrained_variables
+        from clip_jax.interop.opener import open_model
 
-        variables = load_pretrained_variables(path, self.engine.spec.model)
+        variables = open_model(path, self.engine.spec.model, what="pretrained").variables()
         abstract = self.engine.abstract_state
         in_dtypes = lambda tree, like: jax.tree.map(lambda p, a: np.asarray(p, a.dtype), tree, like)  # noqa: E731
         params = in_dtypes(variables["params"], abstract.params)

@@ -1,0 +1,109 @@
+"""The model opener: a path of each kind it reads gives the model, preprocessing, weights and tokenizer it holds; a
+path that holds no model (nothing, an empty folder, a run without a checkpoint yet, two models at once, a file of
+another format, weights that do not say their model) is told in one line naming what is there and what is expected."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+from tiny_model import TINY_MODEL
+
+from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.interop.convert import variables_to_open_clip
+from clip_jax.interop.export import export_open_clip
+from clip_jax.interop.opener import open_model
+from clip_jax.interop.weight_files import save_params, write_open_clip
+from clip_jax.models import create_model, get_model_config, init_params
+from clip_jax.run_config import default_config
+from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
+from clip_jax.training.train_step import init_train_state
+
+# the tiny model with the tokenizer's vocabulary, so that transformers' CLIPModel files are written for it too
+TINY = {**TINY_MODEL, "text_cfg": {**TINY_MODEL["text_cfg"], "context_length": 77, "vocab_size": 49408}}
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.3, 0.25)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("opener")
+    (root / "tiny.json").write_text(json.dumps(TINY))
+    config = get_model_config(str(root / "tiny.json"))
+    params = jax.device_get(init_params(create_model(config), jax.random.key(0)))
+    run = root / "run"
+    run.mkdir()
+    run_config = default_config()
+    run_config.model, run_config.image_mean, run_config.image_std = str(root / "tiny.json"), MEAN, STD
+    (run / "config.json").write_text(run_config.to_json())
+    meta = CheckpointMeta(step=3, model="tiny", precision="fp32", global_batch=8, samples_seen=24, epoch=0.1)
+    with RunCheckpoints(str(run / "checkpoints"), async_save=False) as checkpoints:
+        checkpoints.save(3, init_train_state(params, optax.sgd(0.1)), None, meta)
+    export_open_clip(params, config, str(root / "export"), mean=MEAN, std=STD)  # OpenCLIP's and transformers' files
+    shutil.copytree(root / "export", root / "hf", ignore=shutil.ignore_patterns("open_clip_*"))
+    write_open_clip(str(root / "open_clip.safetensors"), variables_to_open_clip({"params": params}, config))
+    save_params(str(root / "params.npz"), params)
+    return root, config, params
+
+
+def test_each_kind_of_model_path_gives_its_model_preprocessing_weights_and_tokenizer(paths):
+    root, config, params = paths
+    run_said = {"mean": MEAN, "std": STD}
+    kinds = [("run", "a clip_jax run directory", run_said),
+             ("run/checkpoints", "a clip_jax checkpoint", run_said),
+             ("run/checkpoints/3", "a clip_jax checkpoint", run_said),
+             ("export", "an exported model folder", run_said),
+             ("hf", "a transformers CLIPModel folder", run_said),
+             ("open_clip.safetensors", "a weights file", {}),
+             ("params.npz", "a weights file", {})]
+    for name, kind, preprocessing in kinds:
+        says_its_model = preprocessing != {}
+        opened = open_model(str(root / name), None if says_its_model else config)
+        assert opened.source.kind == kind, name
+        assert dataclasses.replace(opened.config, name=config.name) == config, name
+        assert opened.preprocessing == preprocessing, name
+        jax.tree.map(np.testing.assert_array_equal, opened.variables(), {"params": params})
+        assert opened.tokenizer(["a photo"]).shape == (1, 77)
+    assert open_model(str(root / "run")).normalization() == (MEAN, STD)
+    assert open_model(str(root / "params.npz"), config).normalization(mean=(0.1,) * 3)[0] == (0.1,) * 3
+
+
+def _refusal(path, error, **options) -> str:
+    with pytest.raises(error) as info:
+        open_model(str(path), **options).variables()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_path_that_holds_no_model_says_what_is_there_and_what_is_expected(paths, tmp_path):
+    root, config, _ = paths
+    expected = "give a clip_jax run directory (config.json beside checkpoints/: its newest checkpoint), one of its"
+    message = _refusal(tmp_path / "logs" / "dmeo", MissingInput, what="--checkpoint")
+    assert message.startswith(f"--checkpoint {tmp_path}/logs/dmeo does not exist: {expected}")
+    assert message.endswith("or a weights file (.pt, .pth, .bin, .safetensors, .npz: OpenCLIP's state_dict or "
+                            "clip_jax's params)")
+    (tmp_path / "empty").mkdir()
+    assert f"{tmp_path}/empty is an empty folder: no complete checkpoint in it, neither an exported model folder" in (
+        _refusal(tmp_path / "empty", MissingInput))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("my notes\n")
+    assert "notes is a folder of README.md: no complete checkpoint in it" in _refusal(tmp_path / "notes", MissingInput)
+    (tmp_path / "weights.ckpt").write_bytes(b"")
+    assert "weights.ckpt is a file of an unknown checkpoint format: give" in _refusal(tmp_path / "weights.ckpt",
+                                                                                      InvalidInput)
+
+    fresh = tmp_path / "fresh-run"  # started, nothing saved yet
+    os.makedirs(fresh / "checkpoints")
+    shutil.copy(root / "run" / "config.json", fresh / "config.json")
+    assert _refusal(fresh, MissingInput) == (f"the clip_jax run {fresh} has no complete checkpoint yet "
+                                             f"({fresh}/checkpoints holds none): let the run save one, or give "
+                                             "another run or checkpoint")
+    shutil.copy(root / "export" / "open_clip_config.json", fresh / "open_clip_config.json")
+    assert f"{fresh} is both a clip_jax run directory and an exported model folder" in _refusal(fresh, InvalidInput)
+    assert _refusal(root / "params.npz", InvalidInput, what="--pretrained") == (
+        f"--pretrained {root}/params.npz is a weights file, which does not say which model it holds: name the model "
+        "(--model NAME, e.g. ViT-L-14)")
