@@ -149,3 +149,12 @@ def gpu_for_device_kind(device_kind: str) -> GPU | None:
         if any(pattern in device_kind for pattern in gpu.kind_patterns):
             return gpu
     return None
+
+
+def peak_flops(device_kind: str, precision: str, given_tflops: float = 0.0) -> float | None:
+    """The FLOP/s a run's MFU is quoted against: `given_tflops` when set (a config's `peak_tflops_per_device`), else
+    the datasheet peak of the GPU `device_kind` names for `precision`; None for a device no table knows."""
+    if given_tflops:
+        return given_tflops * 1e12
+    gpu = gpu_for_device_kind(device_kind)
+    return gpu.peak_tflops(precision) * 1e12 if gpu else None

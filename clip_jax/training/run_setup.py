@@ -8,13 +8,16 @@ iterators (see `data_resume_plan`).
 """
 
 import dataclasses
+import json
 import os
 import time
 
 import jax
 import numpy as np
 
+from clip_jax import cli
 from clip_jax.errors import InvalidInput, RunFailed, UserError
+from clip_jax.run_config import default_config
 from clip_jax.runtime import ownership, storage
 from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta,
                                           resolve_resume, saved_process_count)
@@ -223,3 +226,16 @@ def check_local_logs(config, probe: str) -> None:
     if reason:
         raise InvalidInput(f"cannot write the run directory {storage.absolute(target)}: {reason}; give "
                            "--config.logs a folder you can write to")
+
+
+def unread_saved_fields(run_dir: str) -> str | None:
+    """A line naming the fields the run's earlier `config.json` set that no config has (a misspelling nobody read),
+    said on resume before the file is written anew from the resumed run's config; None when there are none."""
+    path = storage.join(run_dir, "config.json")
+    try:
+        saved = json.loads(storage.read_text(path)) if storage.exists(path) else None
+    except ValueError:
+        return None
+    unknown = cli.unknown_fields(saved, default_config()) if isinstance(saved, dict) else []
+    return f"{path} set " + "; ".join(unknown) + ": it was never read, and this run's config replaces it" if unknown \
+        else None

@@ -10,7 +10,6 @@ resumes is decided before anything is built: `clip_jax.training.run_setup`). `lo
 each save and at exit (`clip_jax.runtime.storage`).
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -19,23 +18,22 @@ import jax
 import ml_collections
 import numpy as np
 
-from clip_jax import cli, data
+from clip_jax import data
 from clip_jax.errors import RunFailed
 from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
 from clip_jax.ops.writers import MetricsWindow
-from clip_jax.run_config import default_config
 from clip_jax.runtime import ownership, processes, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
-from clip_jax.runtime.hardware import gpu_for_device_kind
+from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
 from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
 from clip_jax.training.preemption import Stopped, StopSignal
 from clip_jax.training.run_setup import (NewRunDirectory, check_run_locations, data_filter_settings, plan_run_start,
-                                         run_entries)
+                                         run_entries, unread_saved_fields)
 from clip_jax.training.schedule import make_schedule
 from clip_jax.training.stability import InstabilityMonitor
 from clip_jax.training.remat_choice import step_spec
@@ -122,7 +120,8 @@ class Trainer:
             self._say(note)
         self.step = int(jax.device_get(self.state.step))
         if self.is_main:
-            self._name_unknown_saved_fields(storage.join(self.run_dir, "config.json"))
+            if self.start.resume_from is not None and (note := unread_saved_fields(self.run_dir)):
+                self._say(note)
             storage.write_text(storage.join(self.run_dir, "config.json"), config.to_json(indent=2))
         self.outputs = RunOutputs(self.run_dir, is_main=self.is_main, targets=report_targets(config.report_to),
                                   wandb_project=config.wandb_project, config=config.to_dict(),
@@ -133,19 +132,6 @@ class Trainer:
                                        total_steps=self.schedule.total_steps,
                                        loss_batch_size=self.schedule.global_batch, say=self._say)
         self._stop_check("while the evaluations were set up")
-
-    def _name_unknown_saved_fields(self, path: str) -> None:
-        """On resume, fields the run's earlier `config.json` set that no config has (a misspelling nobody read): said
-        once, before the file is written anew from this run's config."""
-        if self.start.resume_from is None or not storage.exists(path):
-            return
-        try:
-            saved = json.loads(storage.read_text(path))
-        except ValueError:
-            return
-        unknown = cli.unknown_fields(saved, default_config()) if isinstance(saved, dict) else []
-        if unknown:
-            self._say(f"{path} set " + "; ".join(unknown) + ": it was never read, and this run's config replaces it")
 
     def _train_shards(self) -> list[str]:
         """The run's shards (the demo's written first; a stop signal in one process ends that between shards,
@@ -269,12 +255,6 @@ class Trainer:
             rows = self.edit_batch(self.step, rows)
         return make_global_batch(rows, self.mesh)
 
-    def _peak_flops(self) -> float | None:
-        if self.config.peak_tflops_per_device:
-            return self.config.peak_tflops_per_device * 1e12
-        gpu = gpu_for_device_kind(jax.devices()[0].device_kind)
-        return gpu.peak_tflops(self.engine.spec.precision) * 1e12 if gpu else None
-
     def train(self) -> dict:
         c, schedule = self.config, self.schedule
         self._say(f"run {self.run_dir}: {self.engine.spec.model.name}, {jax.device_count()} devices, global "
@@ -386,7 +366,8 @@ class Trainer:
         if not scalars:
             return
         samples_per_sec = steps * self.schedule.global_batch / max(elapsed, 1e-9)
-        peak = self._peak_flops()
+        peak = peak_flops(jax.devices()[0].device_kind, self.engine.spec.precision,
+                          self.config.peak_tflops_per_device)
         remaining = self.schedule.total_steps - self.step
         scalars.update(
             samples_per_sec=samples_per_sec,
