@@ -24,6 +24,7 @@ import numpy as np
 from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset, worker_signals
 from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
+from clip_jax.runtime import private_apis
 
 log = logging.getLogger(__name__)
 
@@ -178,20 +179,12 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
     ds = ds.batch(batch_size, drop_remainder=True,
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:
-        _ensure_absl_flags_parsed()
+        private_apis.let_grain_start_workers()  # outside absl.app.run too
         worker_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
                                                          per_worker_buffer_size=cfg.prefetch_batches),
                             worker_init_fn=worker_signals.ignore_in_worker)
     return ds
-
-
-def _ensure_absl_flags_parsed() -> None:
-    """Grain's worker processes read absl flags; outside ``absl.app.run`` they are unparsed (use the defaults)."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
@@ -230,7 +223,7 @@ class TrainIterator(grain.DatasetIterator):
             return
         with worker_signals.held_back():
             super().close()
-        worker_signals.finish_shared_memory_deletes()
+        private_apis.finish_grain_shared_memory_deletes()
 
     def skipped_samples(self) -> dict[str, int]:
         """Samples and shards skipped so far, by reason (``{"corrupt_image": 3, ...}``), summed over all workers.

@@ -63,16 +63,3 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(PARENT_CHECK_SECONDS)
     os._exit(0)
 
-
-def finish_shared_memory_deletes() -> None:
-    """Waits for the shared memory of dropped batches to be freed. Grain frees a batch's shared memory in a thread
-    pool when the batch is deleted; a process that exits right after stops the pool with its queue unfinished, and
-    what was queued is left to the resource tracker ("leaked shared_memory objects") at the end of every run.
-    Later deletes free synchronously, or in a new pool when workers start again."""
-    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
-
-    pool = SharedMemoryArray._del_thread_pool
-    if pool is not None:
-        SharedMemoryArray._disable_async_del()
-        pool.close()
-        pool.join()

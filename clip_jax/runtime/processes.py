@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 import jax
 
 from clip_jax.errors import RunFailed
+from clip_jax.runtime import private_apis
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "CLIP_JAX_COORDINATOR", "CLIP_JAX_NUM_PROCESSES", "CLIP_JAX_PROCESS_ID"
 LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
@@ -150,12 +151,10 @@ def meet_once_compiled(compile_step: Callable[[], object], moment: str) -> None:
     if jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
         return
     compile_step()
-    from jax._src import distributed  # the coordination service's client, as Orbax's barriers use it
-
     global _barriers
     _barriers += 1
     timeout = max(_int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT), 900)
-    distributed.global_state.client.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout_in_ms=timeout * 1000)
+    private_apis.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout)
 
 
 def leave_run(status: int, bug: Exception | None = None) -> int:
