@@ -113,7 +113,7 @@ def initialize(group: ProcessGroup) -> None:
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service would install a SIGTERM handler of its own in C++ as the process joins, replacing
-    # the trainer's (clip_jax.training.preemption, installed before this call), which then never hears SLURM's
+    # the trainer's (clip_jax.runtime.stop_signals, installed before this call), which then never hears SLURM's
     # SIGTERM; the trainer has its own agreement on a stop (`StopSignal.agreed`) and needs no other.
     jax.config.update("jax_enable_preemption_service", False)
     print(f"clip_jax.runtime.processes: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "

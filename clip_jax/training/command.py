@@ -13,7 +13,7 @@ from ml_collections import config_flags
 from clip_jax.errors import UserError, exit_status
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.processes import initialize_from_environment, leave_run
-from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
+from clip_jax.runtime.stop_signals import EXIT_STOPPED, Stopped, StopSignal
 from clip_jax.training.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)

@@ -10,7 +10,7 @@ from ml_collections import config_flags
 
 from clip_jax.errors import UserError, exit_status
 from clip_jax.runtime import xla_gpu
-from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
+from clip_jax.runtime.stop_signals import EXIT_STOPPED, Stopped, StopSignal
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "fine-tuning config file (configs/demo_finetune.py)",
                                           lock_config=True)
