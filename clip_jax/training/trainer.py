@@ -70,7 +70,7 @@ class Trainer:
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         run_model_config(config)  # so does a model file that cannot be read, before the demo's shards are written
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
-        self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
+        self.start = plan_run_start(config, process_count=jax.process_count(), now=processes.time_of_process_0)
         self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
         self.shards = self._train_shards()
