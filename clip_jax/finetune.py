@@ -3,7 +3,7 @@
 The command line of `clip_jax.training.finetuner`, where the run is described."""
 
 if __name__ == "__main__":
-    from clip_jax.training.preemption import StopSignal
+    from clip_jax.runtime.stop_signals import StopSignal
 
     _STOP = StopSignal()
 

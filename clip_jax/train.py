@@ -5,7 +5,7 @@ the first line on, before the trainer's imports (seconds); data workers, which i
 start, import nothing more from it."""
 
 if __name__ == "__main__":
-    from clip_jax.training.preemption import StopSignal
+    from clip_jax.runtime.stop_signals import StopSignal
 
     _STOP = StopSignal()
 

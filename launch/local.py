@@ -141,7 +141,7 @@ def without_option(argv: list[str], name: str) -> list[str]:
 
 def wait_all(processes) -> list[int]:
     """The exit statuses of `processes`, waiting through further Ctrl-Cs: the ranks get them too, and a second
-    one makes each exit at once (clip_jax.training.preemption)."""
+    one makes each exit at once (clip_jax.runtime.stop_signals)."""
     while True:
         try:
             return [p.wait() for p in processes]

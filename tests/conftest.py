@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import private_loopback
@@ -119,20 +120,22 @@ def pytest_report_header(config):
 @pytest.fixture(autouse=True)
 def the_process_left_as_found():
     """A test that leaves this process changed for the tests after it in its xdist worker fails here, by name: a
-    checkpoint manager left open (a `Trainer` or `RunCheckpoints` used without `with` or `close()`: its thread and
-    log filter outlive it), a stop-signal handler not restored, a log filter left on absl's or the root logger."""
+    checkpoint manager left open (a `Trainer` or `RunCheckpoints` used without `with` or `close()`: its threads
+    outlive it), a stop-signal handler not restored, a log filter left on absl's or the root logger."""
     import logging
     import signal
 
-    from clip_jax.runtime import storage_faults
+    def open_managers() -> int:
+        checkpoints = sys.modules.get("clip_jax.runtime.checkpoints")  # not imported: none was opened
+        return checkpoints.RunCheckpoints.opened if checkpoints else 0
 
     def state():
         return ({name: signal.getsignal(name) for name in (signal.SIGINT, signal.SIGTERM)},
                 {name: list(logging.getLogger(name).filters) for name in ("absl", "")})
 
-    managers, before = storage_faults.quiet_holders(), state()
+    managers, before = open_managers(), state()
     yield
-    left_open = storage_faults.quiet_holders() - managers
+    left_open = open_managers() - managers
     assert left_open <= 0, f"{left_open} checkpoint manager(s) left open: use the Trainer or RunCheckpoints in `with`"
     handlers, filters = state()
     assert handlers == before[0], f"signal handlers changed: {before[0]} -> {handlers}"

@@ -56,8 +56,10 @@ def test_a_leaf_only_this_run_has_is_named(saved):
         saved.restore(7, abstract(train_state(8, extra=True)))
 
 
-def test_orbax_records_the_run_tells_itself_stay_quiet_until_the_last_open_manager_closes(tmp_path):
+def test_orbax_records_the_run_tells_itself_stay_quiet_while_a_command_that_saves_runs(tmp_path):
     import logging
+
+    from clip_jax.runtime.storage_faults import quiet_orbax_records
 
     def shown(message: str, level=logging.WARNING) -> bool:
         record = logging.LogRecord("absl", level, "/site-packages/orbax/checkpoint/checkpoint_manager.py", 1,
@@ -65,12 +67,16 @@ def test_orbax_records_the_run_tells_itself_stay_quiet_until_the_last_open_manag
         return all(f.filter(record) for f in logging.getLogger("absl").filters)
 
     waited = "Waiting for previous save to complete took 1.5 seconds. If this number is high, consider ..."
-    assert shown(waited), "a RunCheckpoints that an earlier test of this process opened was never closed"
+    opened = RunCheckpoints.opened
     run = RunCheckpoints(str(tmp_path / "run"), async_save=False)
     other = RunCheckpoints(str(tmp_path / "run"), read_only=True)  # another run's, opened beside it
-    assert not shown(waited) and shown("some other Orbax warning")
-    other.close()
-    other.close()  # closing twice lets go once
-    assert not shown(waited)  # the run's manager is still open
-    run.close()
+    assert shown(waited), "opening a checkpoint manager set a log filter: the command modules set it"
+    with quiet_orbax_records():  # as `python -m clip_jax.train` and `clip_jax.finetune` run
+        assert not shown(waited) and shown("some other Orbax warning")
+        assert not shown("No space left on device [os_error_code='28']", logging.ERROR)
     assert shown(waited)
+    other.close()
+    other.close()  # closing twice counts once
+    assert RunCheckpoints.opened == opened + 1  # the run's manager is still open
+    run.close()
+    assert RunCheckpoints.opened == opened

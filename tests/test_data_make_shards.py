@@ -233,8 +233,8 @@ def test_a_writer_killed_half_way_leaves_no_complete_looking_set(tmp_path, monke
     root = _tiny_fashion_mnist(tmp_path / "fmnist", 100)
     out, write_shards = tmp_path / "shards", make_shards.write_shards
 
-    def dies_after_two_shards(samples, folder, samples_per_shard):
-        write_shards(list(samples)[:2 * samples_per_shard], folder, samples_per_shard)
+    def dies_after_two_shards(samples, folder, samples_per_shard, **options):  # options: the stop check
+        write_shards(list(samples)[:2 * samples_per_shard], folder, samples_per_shard, **options)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(make_shards, "write_shards", dies_after_two_shards)

@@ -1,7 +1,8 @@
 """The package's shape, as the README's Layout section states it: subpackages that import one way (each only those
 listed before it, and the few shared top-level modules, which import no subpackage), no module over 400 lines, at
-most 8 top-level modules besides the thin `python -m clip_jax.X` entries, and no file left with a merge's conflict
-markers. Read from the source (its `import` statements, wherever they are in a module), not by importing it."""
+most 8 top-level modules besides the thin `python -m clip_jax.X` entries, stop signals handled in one module and other
+packages' internals imported in one, and no file left with a merge's conflict markers. Read from the source (its
+`import` statements, wherever they are in a module), not by importing it."""
 
 import ast
 import collections
@@ -89,6 +90,30 @@ def test_the_top_level_holds_at_most_8_modules_besides_the_thin_command_entries(
     kept = sorted(name for name in top if not is_entry(os.path.join(PACKAGE, name)))
     assert len(kept) <= MAX_TOP_LEVEL, kept
     assert len(top) > len(kept)  # the entries are there, and recognised
+
+
+def test_stop_signals_are_named_and_handled_in_one_module():
+    signal_names = {"SIGINT", "SIGTERM", "signal", "pthread_sigmask"}
+    found = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if (isinstance(node, ast.Attribute) and node.attr in signal_names and isinstance(node.value, ast.Name)
+                    and node.value.id == "signal") or (isinstance(node, ast.Name) and node.id == "STOP_SIGNALS"
+                                                       and isinstance(node.ctx, ast.Store)):
+                found.add(module)
+    assert found == {"clip_jax.runtime.stop_signals"}
+
+
+def test_other_packages_internals_are_imported_in_one_module():
+    found = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            if any(not name.startswith("clip_jax") and any(part.startswith("_") for part in name.split(".")[1:])
+                   for name in names):
+                found.add(module)
+    assert found == {"clip_jax.runtime.private_apis"}
 
 
 def test_no_file_keeps_a_merge_conflict_marker():

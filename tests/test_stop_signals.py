@@ -100,9 +100,9 @@ def test_data_workers_ignore_stop_signals_and_free_their_shared_memory(shards, t
 @pytest.mark.subprocess
 def test_the_data_workers_are_started_deaf_to_stop_signals(shards):
     # What a worker inherits while it imports, before its own init function runs: both signals blocked.
-    from clip_jax.data import worker_signals
+    from clip_jax.runtime import stop_signals
 
-    with worker_signals.held_back():
+    with stop_signals.held_back():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         blocked = signal_mask(child.pid, "SigBlk")

@@ -233,6 +233,33 @@ def test_an_evaluator_built_once_gives_each_params_their_own_result(mesh, model)
                                                       text_batch_size=200)
 
 
+def test_an_evaluator_asks_its_should_stop_before_every_batch_and_gives_way_at_once(mesh, model):
+    """The check a trainer hands over is asked once per batch encoded (prompts, then images); the first True ends
+    the evaluation there with `CutShort`, before that batch is encoded."""
+    from clip_jax.runtime.stop_signals import CutShort
+
+    def stop_at(n):
+        asked = []
+
+        def should_stop():
+            asked.append(len(asked) + 1)
+            return len(asked) >= n
+
+        return asked, should_stop
+
+    dataset = open_classification_set("demo").head(40)
+    evaluator = ZeroShotEvaluator(model, dataset, mesh, batch_size=16, num_threads=2, text_batch_size=200)
+    params = _random_params(6)
+    asked, never = stop_at(10**6)
+    assert evaluator(params, should_stop=never) == evaluator(params)
+    batches = len(asked)
+    assert batches >= 4  # the prompts in one batch or more, the 40 images in 3
+    asked, should_stop = stop_at(batches)
+    with pytest.raises(CutShort):
+        evaluator(params, should_stop=should_stop)
+    assert len(asked) == batches
+
+
 _WORKER = r"""
 import json, os, sys
 import jax

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from PIL import Image
@@ -31,7 +31,7 @@ from PIL import Image
 from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.runtime import cut_short, ownership
+from clip_jax.runtime import ownership, stop_signals
 
 ROWS_PER_SHARD_MAX = 10_000  # keys are shard * 10**4 + row
 # What the demo's shards take per Fashion-MNIST image (tar members, stats and parquet): 3.84 MB for the first 1,024
@@ -111,10 +111,12 @@ def write_shard(samples: list[Sample], out_dir: str, shard_index: int) -> str:
 
 
 def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int = ROWS_PER_SHARD_MAX, *,
-                 change: str = "write them into another folder") -> list[str]:
+                 change: str = "write them into another folder",
+                 should_stop: Callable[[], bool] = stop_signals.never) -> list[str]:
     """Writes ``samples`` into ``out_dir/00000.tar, 00001.tar, ...``; returns the tar paths. Other files in
     ``out_dir`` are left alone; shard files there that clip_jax did not write stop it before it writes anything
-    (``ownership.ForeignFiles``, ending with ``change``)."""
+    (``ownership.ForeignFiles``, ending with ``change``). ``should_stop()`` true before a shard ends the writing
+    there (``stop_signals.CutShort``)."""
     if not 1 <= samples_per_shard <= ROWS_PER_SHARD_MAX:
         raise InvalidInput(f"samples_per_shard must be in [1, {ROWS_PER_SHARD_MAX}], got {samples_per_shard}")
     shard_files = [name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if SHARD_FILE.match(name)]
@@ -124,11 +126,11 @@ def write_shards(samples: Iterable[Sample], out_dir: str, samples_per_shard: int
     for sample in samples:
         pending.append(sample)
         if len(pending) == samples_per_shard:
-            cut_short.check()  # a stop signal ends the writing between shards (`runtime.cut_short`)
+            stop_signals.cut_short_if(should_stop)  # a stop signal ends the writing between shards
             paths.append(write_shard(pending, out_dir, len(paths)))
             pending = []
     if pending:
-        cut_short.check()
+        stop_signals.cut_short_if(should_stop)
         paths.append(write_shard(pending, out_dir, len(paths)))
     return paths
 
@@ -158,13 +160,15 @@ def fashion_mnist_samples(split: str, root: str = fashion_mnist.DEFAULT_DIR, ima
 
 def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str | None = None,
                          samples_per_shard: int = ROWS_PER_SHARD_MAX, image_size: int | None = None,
-                         change: str = "choose a new or empty folder", note: str = "") -> str:
+                         change: str = "choose a new or empty folder", note: str = "",
+                         should_stop: Callable[[], bool] = stop_signals.never) -> str:
     """Shards of a Fashion-MNIST split in ``out_dir``, written on first use; returns their brace pattern.
 
     Processes that ask at the same time (the ranks of a local launch) get one set, written by one of them
     (:mod:`clip_jax.data.write_once`), into a folder that holds nothing clip_jax did not write (else
     ``ownership.ForeignFiles``, ending with ``change``). ``root``: the folder of the ``*-ubyte.gz`` files (default:
-    Debian's). ``note``: a line the process that writes them prints first.
+    Debian's). ``note``: a line the process that writes them prints first. ``should_stop``: as for
+    :func:`write_shards` (a writer cut short leaves nothing of its set).
     """
     root = fashion_mnist.DEFAULT_DIR if root is None else root
     num_shards = -(-fashion_mnist.num_images(split, root) // samples_per_shard)
@@ -173,7 +177,8 @@ def fashion_mnist_shards(out_dir: str, split: str = "train", *, root: str | None
     def write(folder: str) -> list[str]:
         if note:
             print(note, flush=True)
-        return write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard)
+        return write_shards(fashion_mnist_samples(split, root, image_size), folder, samples_per_shard,
+                            should_stop=should_stop)
 
     write_once.write_once(
         out_dir,
@@ -193,7 +198,8 @@ def is_demo_folder(folder: str) -> bool:
     return tuple(os.path.normpath(os.path.abspath(folder)).split(os.sep)[-2:]) == DEMO_FOLDER
 
 
-def write_missing_shards(pattern: str, source: str, *, root: str | None = None) -> None:
+def write_missing_shards(pattern: str, source: str, *, root: str | None = None,
+                         should_stop: Callable[[], bool] = stop_signals.never) -> None:
     """Writes the shards ``pattern`` names from ``source`` when they are missing (a run config's ``train_data`` and
     ``make_train_data``).
 
@@ -202,6 +208,7 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
     there with their ``_stats.json`` (whoever wrote them) are read as they are; a folder holding other files that
     clip_jax did not write is refused with one line naming them: it is the user's data, not the demo's. Only the
     demo's own folder is written (``is_demo_folder``): any other, new or empty, is refused in one line.
+    ``should_stop``: as for :func:`write_shards`.
     """
     if source != "fashion-mnist":
         raise InvalidInput(f"make_train_data={source!r}: the trainer can write only 'fashion-mnist' shards; write "
@@ -235,7 +242,7 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None) 
             f"Fashion-MNIST training images there as {len(urls)} shards (about "
             f"{images * FASHION_MNIST_SHARD_BYTES_PER_IMAGE / 1e6:,.0f} MB)") if new_folder else ""
     fashion_mnist_shards(folder, "train", root=root, samples_per_shard=-(-images // len(urls)), change=change,
-                         note=note)
+                         note=note, should_stop=should_stop)
 
 
 def read_captions_file(path: str) -> dict[str, str]:

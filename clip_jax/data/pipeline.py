@@ -21,9 +21,10 @@ from typing import Any
 import grain
 import numpy as np
 
-from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset, worker_signals
+from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset
 from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
+from clip_jax.runtime import private_apis, stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -178,20 +179,12 @@ def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_si
     ds = ds.batch(batch_size, drop_remainder=True,
                   batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
     if cfg.workers > 0:
-        _ensure_absl_flags_parsed()
-        worker_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers
+        private_apis.let_grain_start_workers()  # outside absl.app.run too
+        stop_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
                                                          per_worker_buffer_size=cfg.prefetch_batches),
-                            worker_init_fn=worker_signals.ignore_in_worker)
+                            worker_init_fn=stop_signals.ignore_in_worker)
     return ds
-
-
-def _ensure_absl_flags_parsed() -> None:
-    """Grain's worker processes read absl flags; outside ``absl.app.run`` they are unparsed (use the defaults)."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
@@ -201,7 +194,7 @@ def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
     ``process_index``, ``process_count``, ``context_length``, ``tokenize``, ``shard_list``.
     """
     dataset = build_train_dataset(cfg, **kwargs)
-    with worker_signals.held_back():
+    with stop_signals.held_back():
         return TrainIterator(iter(dataset))
 
 
@@ -210,27 +203,27 @@ class TrainIterator(grain.DatasetIterator):
 
     Its state is the wrapped iterator's, unchanged, so checkpoints read and written through it are Grain's own.
     Every call holds SIGINT and SIGTERM back in its thread, so that the worker processes and threads Grain starts
-    in it leave them to the main process (:mod:`clip_jax.data.worker_signals`); `close` stops the workers.
+    in it leave them to the main process (:mod:`clip_jax.runtime.stop_signals`); `close` stops the workers.
     """
 
     def __next__(self) -> dict[str, np.ndarray]:
-        with worker_signals.held_back():
+        with stop_signals.held_back():
             return next(self._parent)
 
     def get_state(self) -> dict[str, Any]:
-        with worker_signals.held_back():
+        with stop_signals.held_back():
             return self._parent.get_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
-        with worker_signals.held_back():
+        with stop_signals.held_back():
             self._parent.set_state(state)
 
     def close(self) -> None:
         if self._closed:  # also called again by `__del__`, maybe as the interpreter exits
             return
-        with worker_signals.held_back():
+        with stop_signals.held_back():
             super().close()
-        worker_signals.finish_shared_memory_deletes()
+        private_apis.finish_grain_shared_memory_deletes()
 
     def skipped_samples(self) -> dict[str, int]:
         """Samples and shards skipped so far, by reason (``{"corrupt_image": 3, ...}``), summed over all workers.

@@ -6,12 +6,13 @@ the epoch length (:mod:`clip_jax.data.epochs`) and the pipeline (:mod:`clip_jax.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from clip_jax.data import csv_source, filters, transforms, webdataset
 from clip_jax.data import shards as shards_lib
 from clip_jax.errors import InvalidInput
+from clip_jax.runtime.stop_signals import never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +111,19 @@ def _set(value: Any) -> bool:
 Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train_shards gives, by dataset type
 
 
-def resolve_train_shards(cfg: TrainDataConfig) -> Source:
+def resolve_train_shards(cfg: TrainDataConfig, *, should_stop: Callable[[], bool] = never) -> Source:
     """The shards a run reads, resolved once so that the epoch length and the pipeline see the same list.
 
     A csv run gets its table (read once), a synthetic run None.
 
     With ``cfg.make_from`` set the shards are written first when missing: once, however many processes of a run ask
-    at the same time (see :func:`clip_jax.data.make_shards.write_missing_shards`).
+    at the same time (see :func:`clip_jax.data.make_shards.write_missing_shards`); ``should_stop()`` true between
+    two shards ends that writing with ``CutShort`` (:mod:`clip_jax.runtime.stop_signals`).
     """
     if cfg.make_from:
         from clip_jax.data import make_shards  # PIL's encoders; only the demo writes its shards
 
-        make_shards.write_missing_shards(cfg.shards, cfg.make_from)
+        make_shards.write_missing_shards(cfg.shards, cfg.make_from, should_stop=should_stop)
     if cfg.dataset_type == "csv":
         return csv_source.read_csv(cfg.shards, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
     if cfg.dataset_type == "synthetic":

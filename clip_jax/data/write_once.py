@@ -4,8 +4,8 @@ The ranks of a local launch start together and all find the demo's shards missin
 lock writes the files into a hidden temporary folder inside it and moves them into place, the files that mark a set
 complete last; the others wait for the lock, then find the set complete and write nothing. A writer killed half way
 leaves no marker for its unfinished part, so the next run writes the set again (and removes the killed writer's
-temporary folder). A writer stopped by a signal (`runtime.cut_short`) removes its temporary folder, and the folders
-it made, at once.
+temporary folder). A writer cut short by a stop signal (`runtime.stop_signals.CutShort`) removes its temporary
+folder, and the folders it made, at once.
 
 Only a folder that is new, empty or holds nothing but what clip_jax wrote there (:mod:`clip_jax.runtime.ownership`) is
 written: any other file in it stops the writer before it creates anything, with one line naming the files.
@@ -24,7 +24,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
-from clip_jax.runtime import cut_short, ownership
+from clip_jax.runtime import ownership
+from clip_jax.runtime.stop_signals import CutShort
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def write_once(folder: str, *, is_complete: Callable[[], bool], write: Callable[
     made = _folders_to_make(folder)
     try:
         return _write_locked(folder, is_complete, write, marker_suffix, what, change)
-    except cut_short.CutShort:  # one process's stop signal (never given to several writers): nothing of it stays
+    except CutShort:  # one process's stop signal (never given to several writers): nothing of it stays
         if made:
             os.remove(os.path.join(folder, LOCK_FILE))
             for made_folder in reversed(made):

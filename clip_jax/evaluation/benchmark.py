@@ -14,7 +14,7 @@ import csv
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -28,6 +28,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_p
 from clip_jax.evaluation.probe_features import cached_features, weights_key
 from clip_jax.evaluation.retrieval import evaluate_retrieval
 from clip_jax.runtime import ownership
+from clip_jax.runtime.stop_signals import never
 
 RECORD_FIELDS = ("dataset", "model", "pretrained", "task", "language")
 
@@ -71,9 +72,11 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
                           val: BenchmarkDataset | None = None, val_proportion: float = 0.0, fewshot_k: int = -1,
                           options: ProbeOptions = ProbeOptions(), feature_root: str | None = None,
                           mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
-                          num_threads: int | None = None, progress: bool = False) -> ProbeResult:
+                          num_threads: int | None = None, progress: bool = False,
+                          should_stop: Callable[[], bool] = never) -> ProbeResult:
     """CLIP_benchmark's `linear_probe` task (see `linear_probe.linear_probe`) on the image features of the train
-    split, `val` and `test`, cached under `feature_root` (see `probe_features`)."""
+    split, `val` and `test`, cached under `feature_root` (see `probe_features`); `should_stop` is asked before each
+    batch encoded (see `encoder`)."""
     mean, std = tuple(mean), tuple(std)
     key = weights_key(params, model.config.vision.image_size, mean, std) if feature_root else ""
 
@@ -81,7 +84,7 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
         evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, mean=mean, std=std,
                                       batch_size=device_batch(mesh, options.batch_size), num_threads=num_threads)
         return cached_features(feature_root, key, dataset.name, dataset.layout.split, len(dataset.classification),
-                               lambda: evaluator.image_features(params, progress=progress))
+                               lambda: evaluator.image_features(params, progress=progress, should_stop=should_stop))
 
     return linear_probe(features(train), features(test), test.classification.class_names,
                         val=features(val) if val is not None else None, val_proportion=val_proportion,

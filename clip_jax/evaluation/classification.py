@@ -5,13 +5,14 @@ Process p of P reads images p, p + P, p + 2P, ... of the set; every step each pr
 correct rows are summed over the whole mesh, so every process gets the same, global result.
 
 `ZeroShotEvaluator` is built once per model and set and called with params as often as needed (a trainer evaluates
-every few epochs): the prompt tokens are made once, and the towers compile at the first call only.
+every few epochs): the prompt tokens are made once, and the towers compile at the first call only. Each call takes
+a `should_stop`, asked before every batch it encodes (see `encoder`).
 """
 
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from clip_jax.evaluation.datasets import ClassificationSet
 from clip_jax.evaluation.encoder import ShardedEncoder, replicate, round_up
 from clip_jax.evaluation.metrics import label_ranks
 from clip_jax.runtime.mesh import make_global_batch, replicated
+from clip_jax.runtime.stop_signals import never
 
 
 def process_share(num_items: int, process_index: int, process_count: int) -> int:
@@ -87,18 +89,19 @@ class ZeroShotEvaluator:
         """Token ids [C * T, L] of the set's prompts, made at the first classifier built."""
         return prompt_tokens(self.model, self.dataset.prompts)
 
-    def classifier(self, params, *, progress: bool = False) -> np.ndarray:
+    def classifier(self, params, *, progress: bool = False, should_stop: Callable[[], bool] = never) -> np.ndarray:
         """The zero-shot classifier float32 [E, C] of the set's prompts under `params`."""
         return classifier_from_tokens(self.encoder, self.encoder.place(params), self.prompt_tokens,
                                       len(self.dataset.prompts[0]), text_batch_size=self.text_batch_size,
-                                      progress=progress)
+                                      progress=progress, should_stop=should_stop)
 
-    def __call__(self, params, *, classifier: np.ndarray | None = None, progress: bool = False) -> dict[str, float]:
+    def __call__(self, params, *, classifier: np.ndarray | None = None, progress: bool = False,
+                 should_stop: Callable[[], bool] = never) -> dict[str, float]:
         """Accuracy under `params` (host arrays or arrays on the mesh, any sharding). `classifier` [E, C] is built
         from the set's prompts when not given."""
         params = self.encoder.place(params)
         if classifier is None:
-            classifier = self.classifier(params, progress=progress)
+            classifier = self.classifier(params, progress=progress, should_stop=should_stop)
         num_classes = classifier.shape[1]
         if num_classes != len(self.dataset.class_names):
             raise InvalidInput(f"the classifier has {num_classes} classes but {self.dataset.name} has "
@@ -106,7 +109,8 @@ class ZeroShotEvaluator:
         ks = tuple(k for k in self.ks if k <= num_classes)
         classifier = replicate(np.asarray(classifier, np.float32), self.mesh)
         counts = [_count_correct(self.mesh, ks, features, classifier, labels, valid)
-                  for features, labels, valid in self._encoded_batches(params, num_classes, progress)]
+                  for features, labels, valid in self._encoded_batches(params, num_classes, progress,
+                                                                       should_stop=should_stop)]
         totals = np.sum([np.asarray(c) for c in counts], axis=0)
         num_images = len(self.dataset)
         if int(totals[-1]) != num_images:
@@ -136,13 +140,14 @@ class ZeroShotEvaluator:
             raise RuntimeError(f"evaluated {len(labels)} images of {len(self.dataset)}")
         return logits, labels
 
-    def image_features(self, params, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def image_features(self, params, *, progress: bool = False,
+                       should_stop: Callable[[], bool] = never) -> tuple[np.ndarray, np.ndarray]:
         """Host image features float32 [N, E] (L2-normalised) and labels int32 [N] of every image, on every process,
         in the order of `logits` (what a linear probe trains on)."""
         params = self.encoder.place(params)
         features, labels = [], []
         for batch_features, batch_labels, valid in self._encoded_batches(params, len(self.dataset.class_names),
-                                                                         progress):
+                                                                         progress, should_stop=should_stop):
             rows = [np.asarray(x) for x in _gathered(self.mesh, batch_features, batch_labels, valid)]
             features.append(rows[0][rows[2]].astype(np.float32))
             labels.append(rows[1][rows[2]])
@@ -151,7 +156,8 @@ class ZeroShotEvaluator:
             raise RuntimeError(f"encoded {len(labels)} images of {len(self.dataset)}")
         return features, labels
 
-    def _encoded_batches(self, params, num_classes: int, progress: bool, check_labels: bool = True):
+    def _encoded_batches(self, params, num_classes: int, progress: bool, check_labels: bool = True, *,
+                         should_stop: Callable[[], bool] = never):
         """(image features [B, E], labels [B], valid [B]) of every global batch, on the mesh."""
         process_index, process_count = jax.process_index(), jax.process_count()
         name, num_images, local_batch = self.dataset.name, len(self.dataset), self.local_batch
@@ -173,7 +179,8 @@ class ZeroShotEvaluator:
                                    f"0..{num_classes - 1}): give one class name per label")
             batch = make_global_batch(batch, self.mesh)
             # the image tower compiles once per shape
-            yield self.encoder.image_features(params, batch["images"]), batch["labels"], batch["valid"]
+            yield (self.encoder.image_features(params, batch["images"], should_stop=should_stop), batch["labels"],
+                   batch["valid"])
             if bar is not None:
                 bar.update(sum(min(local_batch, max(0, share - step * local_batch)) for share in shares))
         if bar is not None:

@@ -6,7 +6,7 @@ image's logits are `100 * image_features @ classifier`.
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.models import l2_normalize
+from clip_jax.runtime.stop_signals import never
 from clip_jax.tokenizer import VOCAB_SIZE, tokenize
 
 LOGIT_SCALE = 100.0
@@ -61,12 +62,14 @@ def prompt_tokens(model, prompts: Sequence[Sequence[str]]) -> np.ndarray:
 
 
 def classifier_from_tokens(encoder: ShardedEncoder, params, tokens: np.ndarray, num_templates: int, *,
-                           text_batch_size: int = 1024, progress: bool = False) -> np.ndarray:
+                           text_batch_size: int = 1024, progress: bool = False,
+                           should_stop: Callable[[], bool] = never) -> np.ndarray:
     """The classifier float32 [E, C] from `prompt_tokens` [C * T, L], with `params` placed by `encoder.place`.
 
     Each step encodes the prompts of as many whole classes as fit in `text_batch_size` rows (at least one class;
     rows rounded up to a multiple of the mesh size), split over the mesh. Every step has the same shape (the last
-    is padded), so the text tower compiles once per dataset.
+    is padded), so the text tower compiles once per dataset. `should_stop` is asked before each step (see
+    `encoder`).
     """
     num_classes = len(tokens) // num_templates
     classes_per_batch = min(num_classes, max(1, text_batch_size // num_templates))
@@ -79,7 +82,7 @@ def classifier_from_tokens(encoder: ShardedEncoder, params, tokens: np.ndarray, 
     embeddings = []
     for start in starts:
         batch = pad_rows(tokens[start * num_templates:(start + classes_per_batch) * num_templates], rows)
-        features = encoder.text_features(params, batch)  # [rows, E], replicated
+        features = encoder.text_features(params, batch, should_stop=should_stop)  # [rows, E], replicated
         embeddings.append(_class_embeddings(features, classes_per_batch, num_templates))  # [classes_per_batch, E]
     embeddings = np.concatenate([np.asarray(e) for e in embeddings])[:num_classes]  # [C, E]
     return np.ascontiguousarray(embeddings.T)

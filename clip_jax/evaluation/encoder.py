@@ -9,9 +9,14 @@ back replicated, so every process can read them.
 What the functions call `params` is a model's weights as `model.apply` needs them: a ViT model's params tree, or
 the variables `{"params": ..., "batch_stats": ...}` of a ResNet image tower, whose BatchNorm layers evaluate with
 their running statistics (eval mode). Either form is accepted for a ViT.
+
+Each method that encodes a batch takes a `should_stop` and asks it first: a stop cuts an evaluation short within one
+batch (`CutShort`, `clip_jax.runtime.stop_signals`). A running trainer hands its stop agreed across processes, a
+collective that every process then asks at the same batch; without one (`never`) the encoding runs to the end.
 """
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,11 +24,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from clip_jax.errors import InvalidInput
-from clip_jax.runtime import cut_short
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.models.config import is_resnet
 from clip_jax.models.variables import as_variables
 from clip_jax.runtime.mesh import batch_sharding, replicated
+from clip_jax.runtime.stop_signals import cut_short_if, never
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -77,35 +82,37 @@ class ShardedEncoder:
                                "not its params alone")
         return replicate(params, self.mesh)
 
-    # Every batch an evaluation encodes goes through one of the three methods below: each is where it may be cut
-    # short (`cut_short`).
+    # Every batch an evaluation encodes goes through one of the three methods below: each asks `should_stop` first
+    # (see the module docstring).
 
-    def image_features(self, params, images: jax.Array) -> jax.Array:
+    def image_features(self, params, images: jax.Array, *, should_stop: Callable[[], bool] = never) -> jax.Array:
         """Features [B, E] of images [B, S, S, 3] already on the mesh, left split over it like the images."""
-        cut_short.check()
+        cut_short_if(should_stop)
         return _features(self.model, "encode_image", None, params, images)
 
-    def text_features(self, params, tokens: np.ndarray) -> jax.Array:
+    def text_features(self, params, tokens: np.ndarray, *, should_stop: Callable[[], bool] = never) -> jax.Array:
         """Features [B', E], replicated, of host token ids int32 [B, L] (B' is B rounded up to a multiple of the
         mesh size; the extra rows encode padding)."""
-        cut_short.check()
+        cut_short_if(should_stop)
         return _features(self.model, "encode_text", replicated(self.mesh), params, shard_rows(tokens, self.mesh))
 
-    def encode_images(self, params, images: np.ndarray) -> np.ndarray:
+    def encode_images(self, params, images: np.ndarray, *, should_stop: Callable[[], bool] = never) -> np.ndarray:
         """Features float32 [B, E] of one host batch of normalised images [B, S, S, 3] that every process holds in
         full."""
-        cut_short.check()
+        cut_short_if(should_stop)
         features = _features(self.model, "encode_image", replicated(self.mesh), params,
                              shard_rows(images, self.mesh))
         return np.asarray(features)[:len(images)]
 
-    def encode_texts(self, params, tokens: np.ndarray, batch_size: int, progress=None) -> np.ndarray:
+    def encode_texts(self, params, tokens: np.ndarray, batch_size: int, progress=None, *,
+                     should_stop: Callable[[], bool] = never) -> np.ndarray:
         """Features float32 [N, E] of token ids int32 [N, L], `batch_size` rows per step (at most N, rounded up to a
         multiple of the mesh size; every step has one shape). `progress(n)` is called after each step."""
         batch_size = round_up(min(batch_size, len(tokens)), self.mesh.size)
         out = []
         for start in range(0, len(tokens), batch_size):
-            features = self.text_features(params, pad_rows(tokens[start:start + batch_size], batch_size))
+            features = self.text_features(params, pad_rows(tokens[start:start + batch_size], batch_size),
+                                          should_stop=should_stop)
             out.append(np.asarray(features)[:len(tokens) - start])
             if progress:
                 progress(min(batch_size, len(tokens) - start))

@@ -5,7 +5,7 @@ gathered features (see `metrics.retrieval_recall` for the definition and the tie
 decodes all images (the sets are small: 5,000 images for COCO, 1,000 for Flickr30k).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -18,6 +18,7 @@ from clip_jax.evaluation.classifier import tokenize_for
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.sources import RetrievalSet
+from clip_jax.runtime.stop_signals import never
 
 
 def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
@@ -29,9 +30,10 @@ def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
 
 
 def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: RetrievalSet, *, batch_size: int,
-                            mean: Sequence[float], std: Sequence[float], progress: bool = False) -> np.ndarray:
+                            mean: Sequence[float], std: Sequence[float], progress: bool = False,
+                            should_stop: Callable[[], bool] = never) -> np.ndarray:
     """Normalised features float32 [N, E] of the set's first `num_images` images, with `params` placed by
-    `encoder.place`."""
+    `encoder.place`; `should_stop` is asked before each batch (see `encoder`)."""
     bar = None
     if progress:
         import tqdm
@@ -42,7 +44,8 @@ def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: Retr
     for images in retrieval_set.image_batches(batch_size=batch_size, image_size=image_size, mean=mean, std=std):
         images = images[:retrieval_set.num_images - count]
         real = len(images)
-        features.append(encoder.encode_images(params, pad_rows(images, batch_size))[:real])  # one shape every step
+        # one shape every step
+        features.append(encoder.encode_images(params, pad_rows(images, batch_size), should_stop=should_stop)[:real])
         count += real
         if bar is not None:
             bar.update(real)

@@ -8,7 +8,7 @@ image->text and text->image cross-entropy) or, for a SigLIP run, the sigmoid los
 depends on the batch: batches of `loss_batch_size` pairs (the last one smaller), averaged per pair.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.retrieval import encode_retrieval_images, first_images
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set
 from clip_jax.models.variables import params_of
+from clip_jax.runtime.stop_signals import never
 
 
 def open_validation_set(pattern: str, num_samples: int = 0) -> RetrievalSet:
@@ -70,18 +71,20 @@ def first_caption_rows(caption_image: np.ndarray, num_images: int) -> np.ndarray
 
 def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: int, loss_batch_size: int,
              mean: Sequence[float], std: Sequence[float], ks: Sequence[int] = (1, 5, 10),
-             text_batch_size: int = 1024, loss: str | None = None) -> dict[str, float]:
+             text_batch_size: int = 1024, loss: str | None = None,
+             should_stop: Callable[[], bool] = never) -> dict[str, float]:
     """`loss`, `image_to_text_recall@k`, `text_to_image_recall@k`, `num_images` of `params` on `val_set`.
     `params` may be as a trainer holds them (e.g. FSDP-sharded; a ResNet image tower's with its batch_stats, see
     `models.variables.eval_variables`); every process gets the same numbers. `loss`: the
     run's ("clip": softmax, "siglip": sigmoid with the params' logit_bias); None: sigmoid when the params have a
-    logit_bias."""
+    logit_bias. `should_stop` is asked before each batch encoded (see `encoder`)."""
     encoder = ShardedEncoder(model, mesh)
     params = encoder.place(params)
     image_features = encode_retrieval_images(encoder, params, val_set,
                                              batch_size=round_up(min(batch_size, val_set.num_images), mesh.size),
-                                             mean=mean, std=std)
-    text_features = encoder.encode_texts(params, tokenize_for(model, val_set.captions), text_batch_size)
+                                             mean=mean, std=std, should_stop=should_stop)
+    text_features = encoder.encode_texts(params, tokenize_for(model, val_set.captions), text_batch_size,
+                                         should_stop=should_stop)
     metrics = retrieval_recall(image_features, text_features, val_set.caption_image, ks)
     params = params_of(params)
     scale = float(np.exp(np.asarray(jax.device_get(params["logit_scale"]), np.float64)))

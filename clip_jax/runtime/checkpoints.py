@@ -71,6 +71,10 @@ class CheckpointMeta:
 
 
 class RunCheckpoints:
+    """A run's checkpoint manager; close it (or use it in `with`): it holds Orbax's manager and its threads."""
+
+    opened = 0  # managers of this process not closed yet (the test suite checks that none is left open)
+
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         """`read_only`: another run's checkpoints, restored from: nothing is created, saved, deleted or cleaned up
         there (that run may still be writing to it)."""
@@ -90,8 +94,8 @@ class RunCheckpoints:
         self._saving: int | None = None  # the step of the save in flight, if any
         self._completed = self._manager.latest_step()  # the newest step known complete (a bucket may not answer)
         self._failed = False  # a save failed (full storage, a bucket that failed): told once, in one line
-        self._quiet = True  # holds Orbax's records that the run tells itself, until closed
-        storage_faults.quiet_orbax_out_of_space(True)
+        self._open = True
+        RunCheckpoints.opened += 1
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
         """Starts saving (returns before the write finishes); a step already saved is skipped. `data_iterator`
@@ -171,9 +175,9 @@ class RunCheckpoints:
                 if not self._failed:  # a failed save's error again: told already
                     raise
             finally:
-                if self._quiet:
-                    self._quiet = False
-                    storage_faults.quiet_orbax_out_of_space(False)
+                if self._open:
+                    self._open = False
+                    RunCheckpoints.opened -= 1
 
     def __enter__(self) -> "RunCheckpoints":
         return self

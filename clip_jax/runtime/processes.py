@@ -1,10 +1,13 @@
 """Joining the processes of a multi-process run: from SLURM, or from `CLIP_JAX_*` variables (launch/local.py).
 
-Every process calls `initialize_from_environment()` before anything touches the devices. It returns False (and
-does nothing) for a single-process run. The coordination service's heartbeat makes every surviving process exit
-with an error when a peer dies, within `CLIP_JAX_HEARTBEAT_TIMEOUT` seconds, instead of waiting in a collective
-until the job's time limit. A process whose run fails ends through `leave_run`, so that it does die: left to
-Python's exit, JAX's exit handler waits at a shutdown barrier for the peers, which wait in a collective for it.
+Every process calls `initialize_from_environment()` before anything touches the devices: the command modules do
+(`clip_jax.training.command`, `clip_jax.evaluation.embed`), nothing a command calls joins. It returns False (and
+does nothing) for a single-process run. What the processes agree on is told where it is asked for: a stop
+(`clip_jax.runtime.stop_signals`), the clock that names a run (`time_of_process_0`). The coordination service's
+heartbeat makes every surviving process exit with an error when a peer dies, within `CLIP_JAX_HEARTBEAT_TIMEOUT`
+seconds, instead of waiting in a collective until the job's time limit. A process whose run fails ends through
+`leave_run`, so that it does die: left to Python's exit, JAX's exit handler waits at a shutdown barrier for the
+peers, which wait in a collective for it.
 
 Variables (all optional under SLURM, which supplies the coordinator, the process count and the rank itself):
     CLIP_JAX_COORDINATOR        host:port of process 0's coordination service
@@ -19,12 +22,15 @@ Variables (all optional under SLURM, which supplies the coordinator, the process
 import dataclasses
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping
 
 import jax
+import numpy as np
 
 from clip_jax.errors import RunFailed
+from clip_jax.runtime import private_apis
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "CLIP_JAX_COORDINATOR", "CLIP_JAX_NUM_PROCESSES", "CLIP_JAX_PROCESS_ID"
 LOCAL_DEVICE_IDS = "CLIP_JAX_LOCAL_DEVICE_IDS"
@@ -112,7 +118,7 @@ def initialize(group: ProcessGroup) -> None:
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service would install a SIGTERM handler of its own in C++ as the process joins, replacing
-    # the trainer's (clip_jax.training.preemption, installed before this call), which then never hears SLURM's
+    # the trainer's (clip_jax.runtime.stop_signals, installed before this call), which then never hears SLURM's
     # SIGTERM; the trainer has its own agreement on a stop (`StopSignal.agreed`) and needs no other.
     jax.config.update("jax_enable_preemption_service", False)
     print(f"clip_jax.runtime.processes: {group.describe()} joining (gives up after {group.init_timeout} s; a dead peer "
@@ -150,12 +156,20 @@ def meet_once_compiled(compile_step: Callable[[], object], moment: str) -> None:
     if jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
         return
     compile_step()
-    from jax._src import distributed  # the coordination service's client, as Orbax's barriers use it
-
     global _barriers
     _barriers += 1
     timeout = max(_int(os.environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT), 900)
-    distributed.global_state.client.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout_in_ms=timeout * 1000)
+    private_apis.wait_at_barrier(f"clip_jax/{_barriers}/{moment}", timeout)
+
+
+def time_of_process_0() -> int:
+    """Process 0's clock in whole seconds, the same on every process (a run's name when it has none): a collective
+    when the run has several processes."""
+    if jax.process_count() == 1:
+        return int(time.time())
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int64(time.time())))
 
 
 def leave_run(status: int, bug: Exception | None = None) -> int:

@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 from etils import epath
 
 from clip_jax.errors import InvalidInput, MissingInput, RunFailed, require_extra
+from clip_jax.runtime import private_apis
 
 REMOTE_SCHEMES = ("s3", "gs")
 _PACKAGES = {"s3": "s3fs", "gs": "gcsfs"}
@@ -257,9 +258,7 @@ def checkpoint_temporary_path_class(directory: str):
     default, a temporary folder renamed when complete) on disk."""
     if not is_remote(directory):
         return None
-    from orbax.checkpoint._src.path import atomicity
-
-    return atomicity.CommitFileTemporaryPath
+    return private_apis.orbax_commit_file_path_class()
 
 
 def s3_kvstore_spec(url: str) -> dict:
@@ -294,39 +293,12 @@ def prepare_for_orbax(directory: str) -> None:
 
 def enable_orbax_s3() -> None:
     """Lets Orbax write and read array data at `s3://` URLs through TensorStore's s3 driver (Orbax 0.12.8 builds
-    such specs for `gs://` only, and would treat `s3://...` as a relative local path). Done once per process by
-    wrapping three of its spec-building functions; `gs://` and local paths keep Orbax's own handling."""
+    such specs for `gs://` only, and would treat `s3://...` as a relative local path; `private_apis.route_orbax_s3`).
+    Done once per process; `gs://` and local paths keep Orbax's own handling."""
     global _ORBAX_S3
     if _ORBAX_S3:
         return
-    try:
-        from orbax.checkpoint._src.path import gcs_utils
-        from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-
-        normalize, use_remote_driver, kvstore_for = (ts_utils._normalize_path, ts_utils._use_gcs_driver,
-                                                     gcs_utils.get_kvstore_for_gcs)
-    except (ImportError, AttributeError) as e:
-        import orbax.checkpoint
-
-        raise RunFailed(f"s3:// checkpoints rely on the TensorStore spec builder of orbax-checkpoint 0.12; this is "
-                        f"{getattr(orbax.checkpoint, '__version__', 'another version')}, which lacks it ({e}): "
-                        "install orbax-checkpoint 0.12.x, or use gs:// or a mounted bucket") from e
-
-    def normalize_path(path):
-        if str(path).startswith("s3://"):
-            return absolute(str(path))
-        return normalize(path)
-
-    def use_driver(directory):
-        return str(directory).startswith("s3://") or use_remote_driver(directory)
-
-    def kvstore(path, *args, **kwargs):
-        if str(path).startswith("s3://"):
-            return s3_kvstore_spec(str(path))
-        return kvstore_for(path, *args, **kwargs)
-
-    ts_utils._normalize_path, ts_utils._use_gcs_driver, gcs_utils.get_kvstore_for_gcs = (normalize_path, use_driver,
-                                                                                          kvstore)
+    private_apis.route_orbax_s3(s3_kvstore_spec, absolute)
     _ORBAX_S3 = True
 
 

@@ -8,13 +8,16 @@ told the same way: the storage, the error, the last complete checkpoint (untouch
 it) and how to continue. On a bucket, requests that fail now and then (a 500 or 503 answer, a cut connection) are
 retried by the storage clients (`clip_jax.runtime.storage.retry_attempts`); what still fails after those retries
 (an outage) stops the run the same way, naming the bucket's checkpoint folder. Orbax also logs the failure of each
-of its writer threads at error level before the error reaches the run; while a run's checkpoints are open those
-out-of-space lines are left to the one line.
+of its writer threads at error level before the error reaches the run; while a command that saves checkpoints runs
+(`quiet_orbax_records`, entered by `python -m clip_jax.train` and `clip_jax.finetune`), those out-of-space lines are
+left to the one line.
 """
 
+import contextlib
 import errno
 import logging
 import re
+from collections.abc import Iterator
 
 from clip_jax.errors import RunFailed
 
@@ -105,20 +108,18 @@ class QuietOutOfSpace(logging.Filter):
         return not any(text in record.getMessage() for text in _NO_SPACE_TEXTS)
 
 
-_QUIET = QuietOutOfSpace()
-_quiet_holders = 0  # the checkpoint managers open: the filter stays until the last one closes
+ORBAX_LOGGERS = ("absl", "")  # the loggers Orbax writes through: absl's and the root logger
 
 
-def quiet_orbax_out_of_space(on: bool) -> None:
-    """Installs the filter on the loggers Orbax writes through (absl's and the root logger) for one more holder
-    (`on`), or lets one go (the filter is removed with the last)."""
-    global _quiet_holders
-    _quiet_holders = _quiet_holders + 1 if on else max(0, _quiet_holders - 1)
-    for name in ("absl", ""):
-        logger = logging.getLogger(name)
-        (logger.addFilter if _quiet_holders else logger.removeFilter)(_QUIET)
-
-
-def quiet_holders() -> int:
-    """How many holders (open checkpoint managers) keep the filter installed."""
-    return _quiet_holders
+@contextlib.contextmanager
+def quiet_orbax_records() -> Iterator[None]:
+    """`QuietOutOfSpace` on the loggers Orbax writes through while inside: a command's setting, entered by the
+    command modules whose runs save checkpoints (a process-wide effect, so no constructor installs it)."""
+    quiet = QuietOutOfSpace()
+    for name in ORBAX_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        yield
+    finally:
+        for name in ORBAX_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)

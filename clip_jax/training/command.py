@@ -13,9 +13,9 @@ from ml_collections import config_flags
 from clip_jax import cli
 from clip_jax.errors import UserError, exit_status
 from clip_jax.run_config import default_config
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import storage_faults, xla_gpu
 from clip_jax.runtime.processes import initialize_from_environment, leave_run
-from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
+from clip_jax.runtime.stop_signals import EXIT_STOPPED, Stopped, StopSignal
 from clip_jax.training.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
@@ -39,7 +39,8 @@ def main(argv, stop: StopSignal | None = None) -> int:
         # the processes then agree on it (a process that left before joining would keep the others waiting).
         joined = initialize_from_environment()
         stop.raise_if_received("while the processes joined" if joined else "while the trainer loaded")
-        train(config, stop=stop)
+        with storage_faults.quiet_orbax_records():  # the run tells a full disk in one line
+            train(config, stop=stop)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return leave_run(exit_status(e))

@@ -4,8 +4,9 @@ a linear probe (`linear_probe_data`).
 One rule says when each is due (`epoch_due`): at the end of every `frequency`-th epoch, but not at the run's last
 step, after which the loop runs all of them once (`final`). Each evaluates the current params (with a ResNet image
 tower's running statistics) in fp32 compute, on the run's model at its image size, over the trainer's mesh; every
-process gets the same numbers. A stop signal cuts an evaluation short within one batch (`runtime.cut_short`);
-the run resumed from that step's checkpoint makes the evaluations its metrics lack first (`owed`).
+process gets the same numbers. A stop signal cuts an evaluation short within one batch: each is handed the
+trainer's `should_stop` and asks it before every batch it encodes (`runtime.stop_signals`); the run resumed from
+that step's checkpoint makes the evaluations its metrics lack first (`owed`).
 
 The linear probe is CLIP_benchmark's `linear_probe` task with its defaults (`evaluation.linear_probe`): the image
 features of the dataset's `train` split (encoded on the mesh), a linear classifier fitted on them on the host (its
@@ -19,9 +20,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.models import create_model, get_model_config
 from clip_jax.models.config import as_trained
+from clip_jax.runtime.stop_signals import CutShort, never
 
 ZEROSHOT, VALIDATION, LINEAR_PROBE = "zeroshot", "validation", "linear_probe"
 # of the metric names each evaluation records
@@ -91,15 +92,15 @@ class Evaluations:
         return tuple(name for name in self.names
                      if epoch_due(step, self.steps_per_epoch, frequency[name], self.total_steps))
 
-    def run(self, names, weights, step: int) -> dict[str, float]:
+    def run(self, names, weights, step: int, *, should_stop: Callable[[], bool] = never) -> dict[str, float]:
         """`zeroshot_top1`, `zeroshot_top5`, `val_*`, `lp_*` of `weights` (params, or a ResNet's eval variables).
-        Cut short by a stop signal inside `cut_short.cut_short_when`: `CutShort.done` holds the results of the
+        Cut short once `should_stop()` answers True before a batch: `CutShort.done` holds the results of the
         evaluations that finished."""
         results = {}
         try:
             for name in names:
                 evaluate = {ZEROSHOT: self.zeroshot, VALIDATION: self.validate, LINEAR_PROBE: self.linear_probe}[name]
-                results.update(evaluate(weights, step))
+                results.update(evaluate(weights, step, should_stop))
         except CutShort as cut:
             cut.done = results
             raise
@@ -110,8 +111,7 @@ class Evaluations:
         """`run`, its results recorded (`record(step, results)`); None when `should_stop()` cut it short (what
         finished is recorded; the rest is `owed` to the run resumed from this step)."""
         try:
-            with cut_short_when(should_stop):
-                results, cut = self.run(names, weights, step), False
+            results, cut = self.run(names, weights, step, should_stop=should_stop), False
         except CutShort as e:
             results, cut = e.done, True
         if results:
@@ -141,9 +141,10 @@ class Evaluations:
     def zeroshot_evaluator(self):
         return open_zeroshot_evaluator(self.config, self.mesh)
 
-    def zeroshot(self, weights, step: int) -> dict[str, float]:
+    def zeroshot(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
         evaluator = self.zeroshot_evaluator
-        result = {f"zeroshot_{k}": float(v) for k, v in evaluator(weights).items() if k.startswith("top")}
+        result = {f"zeroshot_{k}": float(v) for k, v in evaluator(weights, should_stop=should_stop).items()
+                  if k.startswith("top")}
         self.say(f"zero-shot on {evaluator.dataset.name} at step {step}: " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
@@ -152,14 +153,14 @@ class Evaluations:
     def val_model(self):
         return create_model(eval_model(self.config))  # fp32 compute on the run's params, as zero-shot
 
-    def validate(self, weights, step: int) -> dict[str, float]:
+    def validate(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
         """Contrastive loss and retrieval recall@1/5/10 on `val_data`, as `val_*` metrics."""
         from clip_jax.evaluation.validation import validate
 
         c = self.config
         metrics = validate(self.val_model, weights, self.val_set, self.mesh, batch_size=eval_batch_size(self.mesh),
                            loss_batch_size=self.loss_batch_size, mean=tuple(c.image_mean), std=tuple(c.image_std),
-                           loss=c.loss)
+                           loss=c.loss, should_stop=should_stop)
         result = {f"val_{k}": float(v) for k, v in metrics.items() if k != "num_images"}
         self.say(f"validation on {metrics['num_images']} images at step {step}: " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
@@ -175,7 +176,7 @@ class Evaluations:
                                                                                       needed_by="the linear probe"))
                      for split in ("train", "test"))
 
-    def linear_probe(self, weights, step: int) -> dict[str, float]:
+    def linear_probe(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
         """CLIP_benchmark's linear probe of the image features under `weights` (see the module docstring)."""
         from clip_jax.evaluation.benchmark import evaluate_linear_probe
         from clip_jax.evaluation.linear_probe import ProbeOptions
@@ -184,7 +185,7 @@ class Evaluations:
         train, test = self.probe_sets
         result = evaluate_linear_probe(self.val_model, weights, train, test, self.mesh,
                                        val_proportion=PROBE_VAL_PROPORTION, options=ProbeOptions(seed=c.seed),
-                                       mean=tuple(c.image_mean), std=tuple(c.image_std))
+                                       mean=tuple(c.image_mean), std=tuple(c.image_std), should_stop=should_stop)
         self.say(f"linear probe on {test.name} ({result.num_train} train images, weight decay "
                  f"{result.weight_decay:.3g}) at step {step}: " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()))

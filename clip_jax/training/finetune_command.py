@@ -10,9 +10,9 @@ from ml_collections import config_flags
 
 from clip_jax import cli
 from clip_jax.errors import UserError, exit_status
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import storage_faults, xla_gpu
+from clip_jax.runtime.stop_signals import EXIT_STOPPED, Stopped, StopSignal
 from clip_jax.training.finetune_config import default_finetune_config
-from clip_jax.training.preemption import EXIT_STOPPED, Stopped, StopSignal
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "fine-tuning config file (configs/demo_finetune.py)",
                                           lock_config=True)
@@ -32,7 +32,8 @@ def main(argv, stop: StopSignal | None = None) -> int:
 
     try:
         stop.raise_if_received("while the fine-tuner loaded")
-        finetune(config, stop=stop)
+        with storage_faults.quiet_orbax_records():  # the run tells a full disk in one line
+            finetune(config, stop=stop)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_status(e)

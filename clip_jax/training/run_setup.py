@@ -1,16 +1,17 @@
 """Where a run starts, decided before anything is built: its directory, the checkpoint it continues (if any), that
 checkpoint's record, and how the data iterators begin (`RunStart`, from `plan_run_start`).
 
-Everything here reads files and the config only (no devices, no Orbax manager), so a refused resume costs nothing
-and writes nothing. On another data layout (process count, data workers per process) the data position cannot be
-restored: `--config.resume_data=allow_reseed` then restores the train state only and reads on with new data
-iterators (see `data_resume_plan`).
+Everything here reads files and the config only (no devices, no Orbax manager; the one collective, the clock that
+names an unnamed run, is handed in), so a refused resume costs nothing and writes nothing. On another data layout
+(process count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed`
+then restores the train state only and reads on with new data iterators (see `data_resume_plan`).
 """
 
 import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -48,12 +49,12 @@ class RunStart:
         return storage.join(self.run_dir, "checkpoints")
 
 
-def plan_run_start(config, *, process_count: int) -> RunStart:
+def plan_run_start(config, *, process_count: int, now: Callable[[], int]) -> RunStart:
     """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
     `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured. A
     run directory holding files of the names a run writes that clip_jax did not write is refused
-    (`ownership.ForeignFiles`)."""
-    run_dir = storage.absolute(storage.join(config.logs, run_name(config)))
+    (`ownership.ForeignFiles`). `now()`: the time that names a run without a name (see `run_name`)."""
+    run_dir = storage.absolute(storage.join(config.logs, run_name(config, now)))
     ownership.refuse_foreign(run_dir, ownership.RUN_ENTRIES, writing=f"the run {storage.basename(run_dir)!r}",
                              change="give the run another --config.name, or another --config.logs")
     checkpoints = storage.join(run_dir, "checkpoints")
@@ -96,14 +97,14 @@ def filter_change_note(config, meta: CheckpointMeta | None, where: str) -> str:
             "here on are filtered by the new settings, those counted before by the old")
 
 
-def run_name(config) -> str:
+def run_name(config, now: Callable[[], int]) -> str:
+    """`config.name`, else the model's name and the time `now()` gives (the same on every process: process 0's
+    clock, `processes.time_of_process_0`, a collective asked for only here)."""
     if config.name:
         return config.name
     if config.resume == "latest":
         raise InvalidInput("resume='latest' needs a run name: set --config.name=... (the same on every launch)")
-    # One timestamp for all processes: process 0's.
-    stamp = int(time.time()) if jax.process_count() == 1 else int(
-        jax.experimental.multihost_utils.broadcast_one_to_all(np.int64(time.time())))
+    stamp = now()
     model = os.path.basename(config.model).removesuffix(".json")
     return f"{model}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}"
 

@@ -3,7 +3,7 @@
 Data flows one way: config -> mesh -> model + optimizer -> data iterator -> step loop -> checkpoints, zero-shot
 eval and metrics. The run lives in `LOGS/NAME/`: `config.json`, `checkpoints/STEP/`, TensorBoard events and
 `metrics.jsonl`. SIGTERM or SIGINT (SLURM preemption, time limit, Ctrl-C) finishes the step, saves and exits 0;
-before the first step it stops the set-up, saves nothing and exits 130 (`clip_jax.training.preemption`);
+before the first step it stops the set-up, saves nothing and exits 130 (`clip_jax.runtime.stop_signals`);
 `--config.resume=latest` continues exactly where the last checkpoint left off (where a run starts and how its data
 resumes is decided before anything is built: `clip_jax.training.run_setup`). `logs` may be `s3://bucket/prefix` or
 `gs://bucket/prefix`: checkpoints go to the bucket directly, the appended files are staged locally and uploaded at
@@ -20,7 +20,6 @@ import numpy as np
 
 from clip_jax import data
 from clip_jax.errors import RunFailed
-from clip_jax.runtime.cut_short import CutShort, cut_short_when
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.ops.run_outputs import RunOutputs
@@ -29,9 +28,9 @@ from clip_jax.runtime import ownership, processes, storage
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
 from clip_jax.runtime.mesh import make_global_batch
+from clip_jax.runtime.stop_signals import CutShort, Stopped, StopSignal
 from clip_jax.training.config_checks import check_config, report_targets
 from clip_jax.training.evaluations import Evaluations
-from clip_jax.training.preemption import Stopped, StopSignal
 from clip_jax.training.run_setup import (NewRunDirectory, check_run_locations, data_filter_settings, plan_run_start,
                                          run_entries, unread_saved_fields)
 from clip_jax.training.schedule import make_schedule
@@ -71,7 +70,7 @@ class Trainer:
         # so does a model file that cannot be read, before the demo's shards are written
         platform_spec = StepSpec.from_config(config, platform=jax.devices()[0].platform)
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
-        self.start = plan_run_start(config, process_count=jax.process_count())  # reads files, builds nothing
+        self.start = plan_run_start(config, process_count=jax.process_count(), now=processes.time_of_process_0)
         self.run_dir, self.new_dir = self.start.run_dir, NewRunDirectory(self.start.run_dir)  # before any write
         # Resolved once (written first, for the demo): the epoch length and the pipeline read the same shards.
         self.shards = self._train_shards()
@@ -136,9 +135,9 @@ class Trainer:
     def _train_shards(self) -> list[str]:
         """The run's shards (the demo's written first; a stop signal in one process ends that between shards,
         the unfinished set removed by `data.write_once`; several processes finish it and stop together)."""
-        try:
-            with cut_short_when(lambda: jax.process_count() == 1 and bool(self.stop and self.stop.received)):
-                return data.resolve_train_shards(data.TrainDataConfig.from_run_config(self.config))
+        try:  # this process's signal only (no collective): one process writes while the others wait
+            return data.resolve_train_shards(data.TrainDataConfig.from_run_config(self.config), should_stop=lambda: (
+                jax.process_count() == 1 and bool(self.stop and self.stop.received)))
         except CutShort:
             self._stop_check("while the data shards were written (the unfinished set was removed)")
             raise

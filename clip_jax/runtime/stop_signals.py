@@ -1,0 +1,147 @@
+"""Stopping a run: SLURM's warning signal (SIGTERM, see launch/: --signal=TERM@300) or Ctrl-C (SIGINT, to the whole
+process group) is remembered instead of killing the process mid-step (`StopSignal`), the processes of a run agree
+on it so that all of them save the same step (`StopSignal.agreed`), data workers leave both signals to their main
+process (`held_back`, `ignore_in_worker`), and long work gives way to a stop within one piece (`cut_short_if`).
+
+The command line (`python -m clip_jax.train`) starts remembering before it imports the trainer, so a signal at any
+moment from start-up on is seen: the trainer looks at it between its set-up phases (`raise_if_received`, agreed
+across processes as between steps; exit `EXIT_STOPPED` with nothing saved) and between steps (a checkpoint, exit
+0). A second SIGINT stops the process at once (as soon as the call the main thread is in returns), in one line,
+without saving.
+
+**Whoever honours a stop is handed the check.** Work that runs in many pieces (every batch an evaluation encodes,
+every shard the demo's data writer writes) takes a `should_stop` and calls `cut_short_if(should_stop)` before each
+piece, which raises `CutShort` once it answers True; without one (`never`) it runs to the end. The trainer hands its
+evaluations `StopSignal.agreed`, a collective: whoever hands over a check that is a collective must make sure every
+process runs the same pieces. The evaluations do (their loops are the same length on every process); a shard writer
+does not (one process writes while the others wait for it), so it is handed a check of this process's signal only.
+
+**Data workers.** Ctrl-C reaches every process of the group, and SLURM signals every process of a step. A data
+worker that takes the signal dies with a traceback of its own, and the main process then fails on the next batch
+("Worker process was terminated unexpectedly") instead of saving. Grain spawns the workers from its own threads,
+and a spawned interpreter imports for a second or more before a worker's init function runs, so setting the
+disposition there alone comes too late: every call into the pipeline holds both signals back in its thread
+(`held_back`); threads it starts inherit that mask, and so do the processes they spawn, which stay deaf until
+`ignore_in_worker` (their init function) ignores both signals and lets them through again. The main process's own
+handler still gets every signal: one that a thread holds back goes to another thread, or waits until the mask is
+restored. Multiprocessing's resource tracker must be running before (`start_resource_tracker`): CPython starts it
+with both signals blocked and then unblocks them in the starting thread, whatever that thread's mask was. A worker
+whose main process is gone (SIGKILL, or a second Ctrl-C that exits at once) exits too.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_STOPPED = 128 + signal.SIGINT  # what a shell reports for a command that Ctrl-C ended: 130
+PARENT_CHECK_SECONDS = 1.0  # how often a data worker looks whether its main process is still there
+
+
+class Stopped(Exception):
+    """A stop signal arrived before the run had anything to save (its message is the line to print)."""
+
+
+class CutShort(Exception):
+    """A stop signal arrived during work that gives way to it. `done`: what finished before it, for whoever runs
+    several pieces of work and keeps their results (the evaluations' metrics)."""
+
+    def __init__(self):
+        super().__init__("cut short by a stop signal")
+        self.done: dict = {}
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT instead of dying mid-step; a second SIGINT exits at once (status 130)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def _handle(self, signum, frame):
+        if self.received and signum == signal.SIGINT:
+            # os.write, not print: the main thread may be inside a print. Pending saves are not waited for (a
+            # checkpoint is written to a temporary folder first, so a half-written one is never taken for a step).
+            os.write(2, f"{self.received} then SIGINT: stopped at once, nothing more saved\n".encode())
+            os._exit(EXIT_STOPPED)
+        self.received = self.received or signal.Signals(signum).name
+
+    def raise_if_received(self, moment: str) -> None:
+        """Raises `Stopped` when a signal has arrived here or, once the processes have joined, in any process of the
+        run; `moment` ("while writing the data shards") goes in its line. A collective like `agreed`: every process
+        stops at the same check, instead of one leaving while the others wait for it in their next collective."""
+        if self.agreed():
+            raise Stopped(f"{self.received or 'a stop signal to another process'} {moment}: stopped before the "
+                          "first step, nothing saved")
+
+    def agreed(self) -> bool:
+        """True on every process once any process got a signal (they then save the same step). A collective when
+        the run has several processes."""
+        import jax
+
+        flag = self.received is not None
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+        return flag
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+# -- long work that gives way ---------------------------------------------------------------------------------
+
+def never() -> bool:
+    """The check of work that nobody stops: it runs to the end."""
+    return False
+
+
+def cut_short_if(should_stop: Callable[[], bool]) -> None:
+    """Raises `CutShort` when `should_stop()` answers True; called before each piece of long work."""
+    if should_stop():
+        raise CutShort()
+
+
+# -- data workers ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def held_back() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread while inside, and in the threads and processes it starts."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_resource_tracker() -> None:
+    """Starts multiprocessing's resource tracker unless it runs, leaving this thread's signal mask as it was."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_in_worker(worker_index: int = 0, worker_count: int = 1) -> None:
+    """A data worker's init function (Grain's `worker_init_fn`): SIGINT and SIGTERM ignored, then unblocked (one
+    that arrived while they were blocked is dropped); the worker exits when its main process does."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True,
+                     name=f"exit-with-parent-{worker_index}-of-{worker_count}").start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(0)
