@@ -14,7 +14,8 @@ import csv
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.evaluation import metrics as metrics_lib
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.clip_benchmark import BenchmarkDataset
+from clip_jax.evaluation.evaluator import EvalSetting, Task, TaskData, register_task
 from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_probe
 from clip_jax.evaluation.probe_features import cached_features, weights_key
 from clip_jax.evaluation.retrieval import evaluate_retrieval
@@ -53,16 +55,17 @@ def retrieval_metric_names(recall: dict[str, float]) -> dict[str, float]:
 def evaluate_benchmark(model, params, dataset: BenchmarkDataset, mesh: Mesh, *, batch_size: int = 256,
                        mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                        recall_ks: Sequence[int] = (1, 5, 10), num_threads: int | None = None,
-                       progress: bool = False) -> dict[str, float]:
+                       progress: bool = False, should_stop: Callable[[], bool] = never) -> dict[str, float]:
     """The dataset's metrics under CLIP_benchmark's names (see the module docstring)."""
     if dataset.retrieval is not None:
         recall = evaluate_retrieval(model, params, dataset.retrieval, mesh, batch_size=batch_size, mean=mean, std=std,
-                                    ks=recall_ks, progress=progress)
+                                    ks=recall_ks, progress=progress, should_stop=should_stop)
         return retrieval_metric_names(recall)
     evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, batch_size=batch_size, mean=mean, std=std,
                                   num_threads=num_threads)
     multilabel = dataset.targets is not None
-    logits, labels = evaluator.logits(params, progress=progress, check_labels=not multilabel)
+    logits, labels = evaluator.logits(params, progress=progress, check_labels=not multilabel,
+                                      should_stop=should_stop)
     if multilabel:  # labels are row indices into the multi-hot targets
         return {"mean_average_precision": metrics_lib.mean_average_precision(logits, dataset.targets[labels])}
     return classification_metrics(logits, labels)
@@ -91,10 +94,69 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
                         fewshot_k=fewshot_k, options=options)
 
 
+class BenchmarkZeroShot:
+    """The `Evaluator` of a CLIP_benchmark dataset's zero-shot task: classification, multilabel or retrieval by
+    the dataset's type, its metrics under CLIP_benchmark's names (`evaluate_benchmark`)."""
+
+    def __init__(self, setting: EvalSetting, dataset: BenchmarkDataset, recall_ks: Sequence[int] = (1, 5, 10)):
+        self.setting, self.dataset, self.recall_ks = setting, dataset, tuple(recall_ks)
+        self.name = dataset.name
+
+    def run(self, weights, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+        s = self.setting
+        return evaluate_benchmark(s.model, weights, self.dataset, s.mesh, batch_size=device_batch(s.mesh, s.batch_size),
+                                  mean=s.mean, std=s.std, recall_ks=self.recall_ks, num_threads=s.num_threads,
+                                  progress=s.progress, should_stop=should_stop)
+
+
+class LinearProbeEvaluator:
+    """The `Evaluator` of CLIP_benchmark's `linear_probe` task (`evaluate_linear_probe`): `lp_acc1`, `lp_acc5`,
+    `lp_mean_per_class_recall` on the test split; `last` keeps the whole `ProbeResult` of the latest run (its weight
+    decay, the images it trained on)."""
+
+    def __init__(self, setting: EvalSetting, train: BenchmarkDataset, test: BenchmarkDataset, *,
+                 val: BenchmarkDataset | None = None, val_proportion: float = 0.0, fewshot_k: int = -1,
+                 options: ProbeOptions = ProbeOptions(), feature_root: str | None = None):
+        self.setting, self.train, self.test, self.val = setting, train, test, val
+        self.val_proportion, self.fewshot_k, self.options, self.feature_root = (val_proportion, fewshot_k, options,
+                                                                                  feature_root)
+        self.name, self.last = test.name, None
+
+    def run(self, weights, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+        s = self.setting
+        self.last = evaluate_linear_probe(s.model, weights, self.train, self.test, s.mesh, val=self.val,
+                                          val_proportion=self.val_proportion, fewshot_k=self.fewshot_k,
+                                          options=self.options, feature_root=self.feature_root, mean=s.mean,
+                                          std=s.std, num_threads=s.num_threads, progress=s.progress,
+                                          should_stop=should_stop)
+        return dict(self.last.metrics)
+
+
+def _zeroshot_task(setting: EvalSetting, data: TaskData, options: Mapping[str, Any]) -> BenchmarkZeroShot:
+    return BenchmarkZeroShot(setting, data.test, options.get("recall_ks", (1, 5, 10)))
+
+
+def _linear_probe_task(setting: EvalSetting, data: TaskData, options: Mapping[str, Any]) -> LinearProbeEvaluator:
+    return LinearProbeEvaluator(setting, data.train, data.test, val=data.val,
+                                **{k: options[k] for k in ("val_proportion", "fewshot_k", "options", "feature_root")
+                                   if k in options})
+
+
+# CLIP_benchmark's tasks, the ones `benchmark eval --task` and `zeroshot --benchmark` run
+register_task(Task("zeroshot_classification", ("classification", "multilabel"), _zeroshot_task))
+register_task(Task("zeroshot_retrieval", ("retrieval",), _zeroshot_task))
+register_task(Task("linear_probe", ("classification",), _linear_probe_task, trains=True))
+
+
 def device_batch(mesh: Mesh, batch_size: int) -> int:
     """An encoding batch: `batch_size` rounded up to a multiple of the devices and of the processes."""
     step = math.lcm(mesh.size, jax.process_count())
     return -(-batch_size // step) * step
+
+
+def model_label(model: str) -> str:
+    """The `model` of a result record: the name, or a model-config file's name without `.json`."""
+    return os.path.splitext(os.path.basename(model))[0] if model.endswith(".json") else model
 
 
 def result_record(dataset: BenchmarkDataset, metrics: dict[str, float], *, model: str, pretrained: str,

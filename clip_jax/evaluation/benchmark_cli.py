@@ -26,16 +26,16 @@ from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation.classifier import check_vocabulary
+from clip_jax.evaluation.benchmark import model_label
 from clip_jax.evaluation.encoder import replicate
+from clip_jax.evaluation.evaluator import TASKS, EvalSetting, TaskData, task_named
 from clip_jax.evaluation.linear_probe import ProbeOptions
-from clip_jax.evaluation.zeroshot import model_label
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
-TASKS = ("auto", "zeroshot_classification", "zeroshot_retrieval", "linear_probe")
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"
 DEFAULT_VAL_PROPORTION = 0.2
 
@@ -62,8 +62,7 @@ def locate(name: str, dataset_root: str, split: str) -> clip_benchmark.Layout:
 
 def task_of(args, layout: clip_benchmark.Layout) -> str:
     task = layout.task if args.task == "auto" else args.task
-    wanted = {"zeroshot_classification": ("classification", "multilabel"), "zeroshot_retrieval": ("retrieval",),
-              "linear_probe": ("classification",)}[task]
+    wanted = task_named(task).dataset_types
     if layout.dataset_type not in wanted:
         raise InvalidInput(f"--task {task} needs a {' or '.join(wanted)} dataset; {layout.name} is "
                            f"{layout.dataset_type} ({os.path.join(layout.root, clip_benchmark.TYPE_FILE)})")
@@ -101,7 +100,7 @@ def plan(args, model_name: str) -> list[tuple]:
         layout = locate(name, args.dataset_root, args.split)
         task = task_of(args, layout)
         train = val = None
-        if task == "linear_probe":
+        if task_named(task).trains:
             train = probe_split(name, args.train_split, layout, "--train_split")
             val = probe_split(name, args.val_split, layout, "--val_split") if args.val_split else None
         jobs.append((layout, task, output_path(args, layout, task, model_name), train, val))
@@ -117,30 +116,30 @@ def probe_split(name: str, split: str, test: clip_benchmark.Layout, flag: str) -
 
 
 def evaluate(args, job, loaded) -> dict:
+    """The CLIP_benchmark record of one dataset: its task's evaluator (`evaluator.TASKS`) run on the loaded model."""
     layout, task, _, train, val = job
     model, params, mesh, mean, std, model_name = loaded
     test = clip_benchmark.open_dataset(layout)
-    if task != "linear_probe":
-        batch_size = benchmark_lib.device_batch(mesh, args.batch_size)
-        metrics = benchmark_lib.evaluate_benchmark(model, params, test, mesh, batch_size=batch_size, mean=mean,
-                                                   std=std, recall_ks=tuple(args.recall_k),
-                                                   num_threads=args.num_workers, progress=args.verbose)
-    else:
+    setting = EvalSetting(model, mesh, mean=mean, std=std, batch_size=args.batch_size, num_threads=args.num_workers,
+                          progress=args.verbose)
+    options = {"recall_ks": tuple(args.recall_k), "fewshot_k": args.fewshot_k, "feature_root": args.feature_root,
+               "options": ProbeOptions(lr=args.fewshot_lr, epochs=args.fewshot_epochs, batch_size=args.batch_size,
+                                       seed=args.seed)}
+    if task_named(task).trains:
         proportion = args.val_proportion
         if val is None and proportion is None:
             proportion = DEFAULT_VAL_PROPORTION
             print(f"{layout.name}: no --val_split or --val_proportion: the weight decay is searched on a validation "
                   f"fifth of {args.train_split} (--val_proportion 0 trains with weight decay 0, as CLIP_benchmark "
                   "does)")
-        options = ProbeOptions(lr=args.fewshot_lr, epochs=args.fewshot_epochs, batch_size=args.batch_size,
-                               seed=args.seed)
-        result = benchmark_lib.evaluate_linear_probe(
-            model, params, clip_benchmark.open_dataset(train), test, mesh,
-            val=clip_benchmark.open_dataset(val) if val else None, val_proportion=proportion or 0.0,
-            fewshot_k=args.fewshot_k, options=options, feature_root=args.feature_root, mean=mean, std=std,
-            num_threads=args.num_workers, progress=args.verbose)
-        print(f"{layout.name}: weight decay {result.weight_decay:.3g}, trained on {result.num_train} images")
-        metrics = result.metrics
+        options["val_proportion"] = proportion or 0.0
+    data = TaskData(test, train=clip_benchmark.open_dataset(train) if train else None,
+                    val=clip_benchmark.open_dataset(val) if val else None)
+    evaluator = task_named(task).make(setting, data, options)
+    metrics = evaluator.run(params)
+    probe = getattr(evaluator, "last", None)
+    if probe is not None:
+        print(f"{layout.name}: weight decay {probe.weight_decay:.3g}, trained on {probe.num_train} images")
     return benchmark_lib.result_record(test, metrics, model=model_name, pretrained=pretrained_slug(args.pretrained),
                                        language=args.language, task=task)
 
@@ -194,8 +193,10 @@ def parse_args(argv=None):
                     help="wds/NAME datasets, or files of one name per line")
     ev.add_argument("--dataset_root", default="root", help="the datasets' folder, formatted with {dataset} and "
                     "{dataset_cleaned}, or a folder holding them")
-    ev.add_argument("--task", default="auto", choices=TASKS)
-    ev.add_argument("--pretrained", required=True, help="exported folder, run directory or checkpoint file")
+    ev.add_argument("--task", default="auto", choices=("auto", *TASKS),
+                    help="the dataset's own zero-shot task (auto), or one of the registered tasks")
+    ev.add_argument("--pretrained", "--checkpoint", dest="pretrained", required=True,
+                    help="exported folder, run directory or checkpoint file (--checkpoint: zeroshot's spelling)")
     ev.add_argument("--model", help="model name or OpenCLIP model-config .json (default: the folder's own)")
     ev.add_argument("--output", default=DEFAULT_OUTPUT, help="result JSON path, formatted with {dataset}, {model}, "
                     "{pretrained}, {task}, {language}")
@@ -206,7 +207,8 @@ def parse_args(argv=None):
     ev.add_argument("--val_proportion", type=float, help="linear_probe: the fraction of --train_split held out to "
                     f"search the weight decay on (default {DEFAULT_VAL_PROPORTION}; 0: weight decay 0, no search)")
     ev.add_argument("--batch_size", type=int, default=64)
-    ev.add_argument("--num_workers", type=int, help="image decoding threads (default: CPU count)")
+    ev.add_argument("--num_workers", "--workers", dest="num_workers", type=int,
+                    help="image decoding threads (default: CPU count; --workers: zeroshot's spelling)")
     ev.add_argument("--fewshot_k", type=int, default=-1, help="linear_probe: images per class (-1: all)")
     ev.add_argument("--fewshot_epochs", type=int, default=10)
     ev.add_argument("--fewshot_lr", type=float, default=0.1)

@@ -84,6 +84,15 @@ class ZeroShotEvaluator:
         self.local_batch = batch_size // process_count
         self.steps = -(-process_share(num_images, 0, process_count) // self.local_batch)
 
+    @property
+    def name(self) -> str:
+        return self.dataset.name
+
+    def run(self, weights, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+        """`top1`, `top5` (as many classes there are) and `num_images` of `weights`: the `Evaluator` interface
+        (`clip_jax.evaluation.evaluator`)."""
+        return self(weights, should_stop=should_stop)
+
     @functools.cached_property
     def prompt_tokens(self) -> np.ndarray:
         """Token ids [C * T, L] of the set's prompts, made at the first classifier built."""
@@ -120,18 +129,19 @@ class ZeroShotEvaluator:
         return metrics
 
     def logits(self, params, *, classifier: np.ndarray | None = None, progress: bool = False,
-               check_labels: bool = True) -> tuple[np.ndarray, np.ndarray]:
+               check_labels: bool = True, should_stop: Callable[[], bool] = never) -> tuple[np.ndarray, np.ndarray]:
         """Host logits float32 [N, C] and labels int32 [N] of every image, on every process, for metrics that need
         more than counts (per-class recall, average precision). Rows come in batch order (process-interleaved when
         there are several processes), each with its own label. `check_labels=False` lets a source use labels that
         are not class indices (e.g. row indices into multi-hot targets held elsewhere)."""
         params = self.encoder.place(params)
         if classifier is None:
-            classifier = self.classifier(params, progress=progress)
+            classifier = self.classifier(params, progress=progress, should_stop=should_stop)
         num_classes = classifier.shape[1]
         classifier = replicate(np.asarray(classifier, np.float32), self.mesh)
         logits, labels = [], []
-        for features, batch_labels, valid in self._encoded_batches(params, num_classes, progress, check_labels):
+        for features, batch_labels, valid in self._encoded_batches(params, num_classes, progress, check_labels,
+                                                                   should_stop=should_stop):
             rows = [np.asarray(x) for x in _gathered_logits(self.mesh, features, classifier, batch_labels, valid)]
             logits.append(rows[0][rows[2]])
             labels.append(rows[1][rows[2]])

@@ -62,22 +62,24 @@ def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: Retr
 def evaluate_retrieval(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *, batch_size: int = 256,
                        mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                        ks: Sequence[int] = (1, 5, 10), text_batch_size: int = 1024,
-                       progress: bool = False) -> dict[str, float]:
+                       progress: bool = False, should_stop: Callable[[], bool] = never) -> dict[str, float]:
     """Recall@k image->text and text->image, plus `num_images` and `num_captions`. `batch_size` (at most the
-    number of images) is rounded up to a multiple of the number of devices."""
+    number of images) is rounded up to a multiple of the number of devices; `should_stop` is asked before each
+    batch (see `encoder`)."""
     batch_size = round_up(min(batch_size, retrieval_set.num_images), mesh.size)
     progress = progress and jax.process_index() == 0
     encoder = ShardedEncoder(model, mesh)
     params = encoder.place(params)
     tokens = tokenize_for(model, retrieval_set.captions)
     image_features = encode_retrieval_images(encoder, params, retrieval_set, batch_size=batch_size, mean=mean,
-                                             std=std, progress=progress)
+                                             std=std, progress=progress, should_stop=should_stop)
     bar = None
     if progress:
         import tqdm
 
         bar = tqdm.tqdm(total=len(tokens), desc="retrieval captions", unit="caption")
-    text_features = encoder.encode_texts(params, tokens, text_batch_size, progress=bar.update if bar else None)
+    text_features = encoder.encode_texts(params, tokens, text_batch_size, progress=bar.update if bar else None,
+                                         should_stop=should_stop)
     if bar is not None:
         bar.close()
     metrics = retrieval_recall(image_features, text_features, retrieval_set.caption_image, ks)

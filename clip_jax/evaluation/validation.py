@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.classifier import tokenize_for
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
+from clip_jax.evaluation.evaluator import EvalSetting
 from clip_jax.evaluation.metrics import retrieval_recall
 from clip_jax.evaluation.retrieval import encode_retrieval_images, first_images
 from clip_jax.evaluation.sources import RetrievalSet, load_retrieval_set
@@ -94,3 +95,18 @@ def validate(model, params, val_set: RetrievalSet, mesh: Mesh, *, batch_size: in
     metrics["loss"] = pair_loss(image_features, text_features[firsts], scale, bias, batch_size=loss_batch_size)
     metrics["num_images"] = val_set.num_images
     return metrics
+
+
+class ValidationEvaluator:
+    """The `Evaluator` of `validate` on one held-out set: `loss`, the recalls and `num_images`."""
+
+    name = "validation"
+
+    def __init__(self, setting: EvalSetting, val_set: RetrievalSet, *, loss_batch_size: int, loss: str | None = None):
+        self.setting, self.val_set, self.loss_batch_size, self.loss = setting, val_set, loss_batch_size, loss
+
+    def run(self, weights, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+        s = self.setting
+        return validate(s.model, weights, self.val_set, s.mesh, batch_size=s.batch_size,
+                        loss_batch_size=self.loss_batch_size, mean=s.mean, std=s.std, loss=self.loss,
+                        should_stop=should_stop)

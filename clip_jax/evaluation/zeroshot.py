@@ -36,6 +36,7 @@ from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.classifier import check_vocabulary
 from clip_jax.evaluation.datasets import ClassificationSet, open_classification_set
 from clip_jax.evaluation.encoder import replicate
+from clip_jax.evaluation.evaluator import EvalSetting, TaskData, task_named
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.interop.opener import open_model
@@ -86,11 +87,6 @@ def benchmark_layouts(args) -> list[clip_benchmark.Layout]:
     return layouts
 
 
-def model_label(model: str) -> str:
-    """The `model` of a result record: the name, or a model-config file's name without `.json`."""
-    return os.path.splitext(os.path.basename(model))[0] if model.endswith(".json") else model
-
-
 def pretrained_label(args) -> str:
     """The `pretrained` of a result record: `--pretrained-name`, else the checkpoint's file or folder name."""
     if args.pretrained_name:
@@ -106,15 +102,17 @@ def run_benchmark(args, model, params, mesh, layouts, batch_size: int) -> list[d
     records = []
     write = jax.process_index() == 0
     datasets = [clip_benchmark.open_dataset(layout) for layout in layouts]
+    setting = EvalSetting(model, mesh, mean=tuple(args.mean), std=tuple(args.std), batch_size=batch_size,
+                          num_threads=args.workers, progress=not args.no_progress)
     for dataset in datasets:
         if args.limit:
             dataset = dataset.head(args.limit)
         start = time.perf_counter()
-        metrics = benchmark_lib.evaluate_benchmark(model, params, dataset, mesh, batch_size=batch_size,
-                                                   mean=tuple(args.mean), std=tuple(args.std),
-                                                   recall_ks=tuple(args.recall_k), num_threads=args.workers,
-                                                   progress=not args.no_progress)
-        record = benchmark_lib.result_record(dataset, metrics, model=model_label(args.model),
+        # the dataset's own zero-shot task, made as `benchmark eval` makes it
+        evaluator = task_named(dataset.layout.task).make(setting, TaskData(dataset),
+                                                         {"recall_ks": tuple(args.recall_k)})
+        metrics = evaluator.run(params)
+        record = benchmark_lib.result_record(dataset, metrics, model=benchmark_lib.model_label(args.model),
                                              pretrained=pretrained_label(args), language=args.language)
         if write:
             path = benchmark_lib.write_record(record, args.output_dir)

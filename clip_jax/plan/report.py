@@ -127,9 +127,8 @@ def format_plan(p: Plan) -> str:
         lines += ["", ("measured here: parameters, FLOPs and memory, by compiling the step with XLA:CPU (XLA:GPU fuses "
                        "and schedules differently, and cuDNN attention keeps no score matrix: install '.[gpu]' for "
                        "its figures);")]
-    lines.append("modelled: speed, time and cost, from the " + ("step predicted above" if p.throughput.predicted_samples_per_s
-                                                                 is not None and p.throughput.mfu_source != "given (--mfu)"
-                                                                 else "MFU above"))
+    predicted = p.throughput.predicted_samples_per_s is not None and p.throughput.mfu_source != "given (--mfu)"
+    lines.append("modelled: speed, time and cost, from the " + ("step predicted above" if predicted else "MFU above"))
     return "\n".join(lines)
 
 

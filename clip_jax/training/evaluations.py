@@ -1,12 +1,13 @@
-"""The evaluations a run makes as it trains: zero-shot classification (`zeroshot_data`), validation (`val_data`) and
-a linear probe (`linear_probe_data`).
+"""The evaluations a run makes as it trains: zero-shot classification (`zeroshot_data`), validation (`val_data`), a
+linear probe (`linear_probe_data`), and any evaluator the caller adds (`Scheduled`).
 
-One rule says when each is due (`epoch_due`): at the end of every `frequency`-th epoch, but not at the run's last
-step, after which the loop runs all of them once (`final`). Each evaluates the current params (with a ResNet image
-tower's running statistics) in fp32 compute, on the run's model at its image size, over the trainer's mesh; every
-process gets the same numbers. A stop signal cuts an evaluation short within one batch: each is handed the
-trainer's `should_stop` and asks it before every batch it encodes (`runtime.stop_signals`); the run resumed from
-that step's checkpoint makes the evaluations its metrics lack first (`owed`).
+Each is an `Evaluator` (`clip_jax.evaluation.evaluator`: a name and `run(weights, should_stop) -> metrics`), made at
+its first use from the run's `EvalSetting`: the run's model at its image size in fp32 compute, over the trainer's
+mesh, with the run's mean/std; every process gets the same numbers. One rule says when each is due (`epoch_due`): at
+the end of every `frequency`-th epoch, but not at the run's last step, after which the loop runs all of them once
+(`final`). A stop signal cuts an evaluation short within one batch: each is handed the trainer's `should_stop` and
+asks it before every batch it encodes (`runtime.stop_signals`); the run resumed from that step's checkpoint makes
+the evaluations its metrics lack first (`owed`).
 
 The linear probe is CLIP_benchmark's `linear_probe` task with its defaults (`evaluation.linear_probe`): the image
 features of the dataset's `train` split (encoded on the mesh), a linear classifier fitted on them on the host (its
@@ -14,12 +15,13 @@ weight decay searched on a stratified fifth, then refit on all of train), scored
 `lp_acc5` and `lp_mean_per_class_recall`; every process fits the same classifier from the same features.
 """
 
-import functools
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from clip_jax.evaluation.evaluator import EvalSetting, Evaluator
 from clip_jax.models import create_model, get_model_config
 from clip_jax.models.config import as_trained
 from clip_jax.runtime.stop_signals import CutShort, never
@@ -48,7 +50,13 @@ def eval_batch_size(mesh) -> int:
     return max(mesh.size, (256 // mesh.size) * mesh.size)
 
 
-def open_zeroshot_evaluator(config, mesh):
+def eval_setting(config, mesh) -> EvalSetting:
+    """What a run's evaluators share (see the module docstring)."""
+    return EvalSetting(create_model(eval_model(config)), mesh, mean=tuple(config.image_mean),
+                       std=tuple(config.image_std), batch_size=eval_batch_size(mesh))
+
+
+def open_zeroshot_evaluator(config, mesh, setting: EvalSetting | None = None):
     """The zero-shot evaluator of `config.zeroshot_data` ("demo", a CLIP_benchmark classification folder, or an
     ImageNet validation folder), its first `zeroshot_samples` images when set."""
     from clip_jax.evaluation import ZeroShotEvaluator, clip_benchmark, open_classification_set
@@ -60,17 +68,49 @@ def open_zeroshot_evaluator(config, mesh):
         dataset = open_classification_set(kind, location)
     if config.zeroshot_samples:
         dataset = dataset.head(config.zeroshot_samples)
-    return ZeroShotEvaluator(create_model(eval_model(config)), dataset, mesh,
-                             batch_size=eval_batch_size(mesh), mean=tuple(config.image_mean),
-                             std=tuple(config.image_std))
+    s = setting or eval_setting(config, mesh)
+    return ZeroShotEvaluator(s.model, dataset, mesh, batch_size=s.batch_size, mean=s.mean, std=s.std)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """An evaluator a run makes every `frequency` epochs (0: only once trained), made by `open(setting)` at its first
+    use. Its metrics are recorded as `record(metrics)` names them (default: `NAME_metric`) and found again in a
+    step's record by `prefix` (default: `NAME_`); `line(evaluator, recorded, step)` is its console line."""
+
+    name: str
+    frequency: int
+    open: Callable[[EvalSetting], Evaluator]
+    prefix: str = ""
+    record: Callable[[dict], dict] | None = None
+    line: Callable[[Evaluator, dict, int], str] | None = None
+
+    @property
+    def recorded_prefix(self) -> str:
+        return self.prefix or f"{self.name}_"
+
+    def recorded(self, metrics: dict) -> dict[str, float]:
+        if self.record is not None:
+            return self.record(metrics)
+        return {f"{self.recorded_prefix}{k}": float(v) for k, v in metrics.items()}
+
+    def say(self, evaluator: Evaluator, recorded: dict, step: int) -> str:
+        if self.line is not None:
+            return self.line(evaluator, recorded, step)
+        return f"{self.name} on {evaluator.name} at step {step}: " + _values(recorded)
+
+
+def _values(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 class Evaluations:
     """The run's evaluations; `say` prints a result line (process 0's console). The validation set is read now, so
-    a bad one stops the run before it trains; the zero-shot set, its prompts and compiled towers at first use."""
+    a bad one stops the run before it trains; every evaluator (the zero-shot set, its prompts, compiled towers) at
+    its first use. `extra`: evaluators the caller adds, after the config's."""
 
     def __init__(self, config, mesh, *, steps_per_epoch: int, total_steps: int, loss_batch_size: int,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], extra: Sequence[Scheduled] = ()):
         self.config, self.mesh, self.say = config, mesh, say
         self.steps_per_epoch, self.total_steps, self.loss_batch_size = steps_per_epoch, total_steps, loss_batch_size
         self.val_set = None
@@ -78,29 +118,58 @@ class Evaluations:
             from clip_jax.evaluation.validation import open_validation_set
 
             self.val_set = open_validation_set(config.val_data, config.val_num_samples)
+        self.scheduled = {s.name: s for s in (*self._configured(), *extra)}
+        self.evaluators: dict[str, Evaluator] = {}  # made at first use
+        self._setting = None
+
+    def _configured(self) -> list[Scheduled]:
+        c = self.config
+        found = []
+        if c.zeroshot_data:
+            found.append(Scheduled(ZEROSHOT, c.zeroshot_frequency, lambda s: open_zeroshot_evaluator(c, s.mesh, s),
+                                   prefix=RESULT_PREFIX[ZEROSHOT], record=_zeroshot_recorded,
+                                   line=lambda ev, r, step: f"zero-shot on {ev.name} at step {step}: " + _values(r)))
+        if self.val_set is not None:
+            found.append(Scheduled(VALIDATION, c.val_frequency, self._open_validation, prefix=RESULT_PREFIX[VALIDATION],
+                                   record=lambda m: {f"val_{k}": float(v) for k, v in m.items() if k != "num_images"},
+                                   line=self._validation_line))
+        if c.linear_probe_data:
+            found.append(Scheduled(LINEAR_PROBE, c.linear_probe_frequency, self._open_linear_probe,
+                                   prefix=RESULT_PREFIX[LINEAR_PROBE], record=dict, line=_probe_line))
+        return found
+
+    @property
+    def setting(self) -> EvalSetting:
+        if self._setting is None:
+            self._setting = eval_setting(self.config, self.mesh)
+        return self._setting
 
     @property
     def names(self) -> tuple[str, ...]:
         """The evaluations this run makes."""
-        return (((ZEROSHOT,) if self.config.zeroshot_data else ()) + ((VALIDATION,) if self.val_set is not None else ())
-                + ((LINEAR_PROBE,) if self.config.linear_probe_data else ()))
+        return tuple(self.scheduled)
 
     def due(self, step: int) -> tuple[str, ...]:
         """The evaluations due after `step`."""
-        frequency = {ZEROSHOT: self.config.zeroshot_frequency, VALIDATION: self.config.val_frequency,
-                     LINEAR_PROBE: self.config.linear_probe_frequency}
-        return tuple(name for name in self.names
-                     if epoch_due(step, self.steps_per_epoch, frequency[name], self.total_steps))
+        return tuple(name for name, s in self.scheduled.items()
+                     if epoch_due(step, self.steps_per_epoch, s.frequency, self.total_steps))
+
+    def evaluator(self, name: str) -> Evaluator:
+        if name not in self.evaluators:
+            self.evaluators[name] = self.scheduled[name].open(self.setting)
+        return self.evaluators[name]
 
     def run(self, names, weights, step: int, *, should_stop: Callable[[], bool] = never) -> dict[str, float]:
-        """`zeroshot_top1`, `zeroshot_top5`, `val_*`, `lp_*` of `weights` (params, or a ResNet's eval variables).
-        Cut short once `should_stop()` answers True before a batch: `CutShort.done` holds the results of the
-        evaluations that finished."""
+        """The recorded metrics (`zeroshot_top1`, `zeroshot_top5`, `val_*`, `lp_*`, ...) of `weights` (params, or a
+        ResNet's eval variables). Cut short once `should_stop()` answers True before a batch: `CutShort.done` holds
+        the results of the evaluations that finished."""
         results = {}
         try:
             for name in names:
-                evaluate = {ZEROSHOT: self.zeroshot, VALIDATION: self.validate, LINEAR_PROBE: self.linear_probe}[name]
-                results.update(evaluate(weights, step, should_stop))
+                evaluator = self.evaluator(name)
+                recorded = self.scheduled[name].recorded(evaluator.run(weights, should_stop))
+                self.say(self.scheduled[name].say(evaluator, recorded, step))
+                results.update(recorded)
         except CutShort as cut:
             cut.done = results
             raise
@@ -120,7 +189,8 @@ class Evaluations:
 
     def missing(self, names, record: dict) -> tuple[str, ...]:
         """Those of `names` whose results `record` (what metrics.jsonl holds for a step) lacks."""
-        return tuple(name for name in names if not any(key.startswith(RESULT_PREFIX[name]) for key in record))
+        return tuple(name for name in names
+                     if not any(key.startswith(self.scheduled[name].recorded_prefix) for key in record))
 
     def owed(self, step: int, resumed_here: bool, record: dict) -> tuple[str, ...]:
         """The evaluations due at `step` that a run resumed there from its own checkpoint has no results of in
@@ -137,56 +207,35 @@ class Evaluations:
             owed = tuple(name for name, flag in zip(due, np.asarray(flags)) if flag)
         return owed
 
-    @functools.cached_property
-    def zeroshot_evaluator(self):
-        return open_zeroshot_evaluator(self.config, self.mesh)
 
-    def zeroshot(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
-        evaluator = self.zeroshot_evaluator
-        result = {f"zeroshot_{k}": float(v) for k, v in evaluator(weights, should_stop=should_stop).items()
-                  if k.startswith("top")}
-        self.say(f"zero-shot on {evaluator.dataset.name} at step {step}: " +
-                 ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        return result
+    def _open_validation(self, setting: EvalSetting) -> Evaluator:
+        from clip_jax.evaluation.validation import ValidationEvaluator
 
-    @functools.cached_property
-    def val_model(self):
-        return create_model(eval_model(self.config))  # fp32 compute on the run's params, as zero-shot
+        return ValidationEvaluator(setting, self.val_set, loss_batch_size=self.loss_batch_size, loss=self.config.loss)
 
-    def validate(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
-        """Contrastive loss and retrieval recall@1/5/10 on `val_data`, as `val_*` metrics."""
-        from clip_jax.evaluation.validation import validate
+    def _validation_line(self, evaluator, recorded: dict, step: int) -> str:
+        return f"validation on {self.val_set.num_images} images at step {step}: " + _values(recorded)
 
-        c = self.config
-        metrics = validate(self.val_model, weights, self.val_set, self.mesh, batch_size=eval_batch_size(self.mesh),
-                           loss_batch_size=self.loss_batch_size, mean=tuple(c.image_mean), std=tuple(c.image_std),
-                           loss=c.loss, should_stop=should_stop)
-        result = {f"val_{k}": float(v) for k, v in metrics.items() if k != "num_images"}
-        self.say(f"validation on {metrics['num_images']} images at step {step}: " +
-                 ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        return result
-
-    @functools.cached_property
-    def probe_sets(self):
-        """(train, test) `BenchmarkDataset`s of `linear_probe_data`, scanned at the first probe."""
+    def _open_linear_probe(self, setting: EvalSetting) -> Evaluator:
+        """CLIP_benchmark's linear probe of `linear_probe_data` (see the module docstring); its splits are scanned
+        now, at the first probe."""
         from clip_jax.evaluation import clip_benchmark
-
-        root = self.config.linear_probe_data
-        return tuple(clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split,
-                                                                                      needed_by="the linear probe"))
-                     for split in ("train", "test"))
-
-    def linear_probe(self, weights, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
-        """CLIP_benchmark's linear probe of the image features under `weights` (see the module docstring)."""
-        from clip_jax.evaluation.benchmark import evaluate_linear_probe
+        from clip_jax.evaluation.benchmark import LinearProbeEvaluator
         from clip_jax.evaluation.linear_probe import ProbeOptions
 
-        c = self.config
-        train, test = self.probe_sets
-        result = evaluate_linear_probe(self.val_model, weights, train, test, self.mesh,
-                                       val_proportion=PROBE_VAL_PROPORTION, options=ProbeOptions(seed=c.seed),
-                                       mean=tuple(c.image_mean), std=tuple(c.image_std), should_stop=should_stop)
-        self.say(f"linear probe on {test.name} ({result.num_train} train images, weight decay "
-                 f"{result.weight_decay:.3g}) at step {step}: " +
-                 ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()))
-        return dict(result.metrics)
+        root = self.config.linear_probe_data
+        train, test = (clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split,
+                                                                                       needed_by="the linear probe"))
+                       for split in ("train", "test"))
+        return LinearProbeEvaluator(setting, train, test, val_proportion=PROBE_VAL_PROPORTION,
+                                    options=ProbeOptions(seed=self.config.seed))
+
+
+def _zeroshot_recorded(metrics: dict) -> dict[str, float]:
+    return {f"zeroshot_{k}": float(v) for k, v in metrics.items() if k.startswith("top")}
+
+
+def _probe_line(evaluator, recorded: dict, step: int) -> str:
+    result = evaluator.last
+    return (f"linear probe on {evaluator.name} ({result.num_train} train images, weight decay "
+            f"{result.weight_decay:.3g}) at step {step}: " + _values(recorded))

@@ -12,7 +12,7 @@ each save and at exit (`clip_jax.runtime.storage`).
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
@@ -30,7 +30,7 @@ from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
 from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.runtime.stop_signals import CutShort, Stopped, StopSignal
 from clip_jax.training.config_checks import check_config, report_targets
-from clip_jax.training.evaluations import Evaluations
+from clip_jax.training.evaluations import Evaluations, Scheduled
 from clip_jax.training.run_setup import (NewRunDirectory, check_run_locations, data_filter_settings, plan_run_start,
                                          run_entries, unread_saved_fields)
 from clip_jax.training.schedule import make_schedule
@@ -58,11 +58,12 @@ class Trainer:
 
     `edit_batch(step, batch) -> batch`, when given, sees each host batch before it goes to the devices, `step` the
     number of steps done before it (tests make chosen batches bad with it). `stop`: the command line's StopSignal,
-    installed before the set-up, which it stops between phases; else `train()` installs one for the step loop."""
+    installed before the set-up, which it stops between phases; else `train()` installs one for the step loop.
+    `evaluators`: evaluations to make besides the config's (`training.evaluations.Scheduled`)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, *,
-                 edit_batch: Callable[[int, dict], dict] | None = None, stop: StopSignal | None = None):
-        self.config, self.edit_batch, self.stop = config, edit_batch, stop
+    def __init__(self, config: ml_collections.ConfigDict, *, edit_batch: Callable[[int, dict], dict] | None = None,
+                 stop: StopSignal | None = None, evaluators: Sequence[Scheduled] = ()):
+        self.config, self.edit_batch, self.stop, self.extra_evaluators = config, edit_batch, stop, tuple(evaluators)
         self.is_main = jax.process_index() == 0
         self._stop_check("while the run was checked")
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
@@ -129,7 +130,8 @@ class Trainer:
         # every process: validation is a collective, and a bad validation set stops the run before it trains
         self.evaluations = Evaluations(config, self.mesh, steps_per_epoch=self.schedule.steps_per_epoch,
                                        total_steps=self.schedule.total_steps,
-                                       loss_batch_size=self.schedule.global_batch, say=self._say)
+                                       loss_batch_size=self.schedule.global_batch, say=self._say,
+                                       extra=self.extra_evaluators)
         self._stop_check("while the evaluations were set up")
 
     def _train_shards(self) -> list[str]:
