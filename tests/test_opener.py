@@ -141,7 +141,7 @@ COMMANDS = [
     (embed, ["--input_dataset", "photos", "--output_folder", "embeddings", "--clip_model", "PATH"]),
     (export, ["PATH", "exported"]),
     (weight_files, ["PATH", "params.npz", "--model", "ViT-B-32"]),
-    (similarity, ["--checkpoint", "PATH"]),
+    (similarity, ["--checkpoint", "PATH", "--images", "no/such/photos", "--labels", " "]),
 ]
 
 
