@@ -303,12 +303,16 @@ def model_source(path, what: str = "") -> ModelSource:
 
 
 def did_you_mean(path: str) -> str:
-    """" (did you mean PATH?)" for a local path one typo from a name beside it, else ""."""
-    parent = os.path.dirname(os.path.normpath(path)) or "."
-    if storage.is_remote(path) or not os.path.isdir(parent):
+    """" (did you mean PATH?)" for a local path that is not there when its folder holds a name close to its own (a
+    typo: logs/dmeo beside logs/demo), else ""."""
+    folder, name = os.path.split(os.path.normpath(path))
+    if storage.is_remote(path) or not os.path.isdir(folder or "."):
         return ""
-    close = difflib.get_close_matches(os.path.basename(os.path.normpath(path)), os.listdir(parent), n=1, cutoff=0.75)
-    return f" (did you mean {os.path.join(os.path.dirname(os.path.normpath(path)), close[0])}?)" if close else ""
+    try:
+        close = difflib.get_close_matches(name, os.listdir(folder or "."), n=1, cutoff=0.75)
+    except OSError:  # a folder that cannot be listed
+        return ""
+    return f" (did you mean {os.path.join(folder, close[0])}?)" if close else ""
 
 
 def path_problems(path, what: str) -> list[str]:
