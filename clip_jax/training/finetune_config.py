@@ -8,6 +8,7 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
+from clip_jax.interop.opener import did_you_mean
 from clip_jax.training.config_checks import report_to_problems
 
 HEAD_INITS = ("zeroshot", "linear_probe")
@@ -78,7 +79,7 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
         problems.append("pretrained is empty: give an exported folder, a clip_jax run directory or a weights file "
                         "(with model)")
     elif not os.path.exists(c.pretrained):
-        problems.append(f"pretrained={c.pretrained!r} does not exist" + (
+        problems.append(f"pretrained={c.pretrained!r} does not exist{did_you_mean(c.pretrained)}" + (
             " (train the demo first: python -m clip_jax.train --config configs/demo.py)"
             if c.pretrained.rstrip("/").endswith("logs/demo") else ""))
     if c.make_data not in MAKE_DATA:

@@ -95,8 +95,8 @@ class Finetuner:
         ownership.refuse_foreign(self.run_dir, RUN_ENTRIES, writing=f"the fine-tuning run {config.name!r}",
                                  change="give the run another --config.name, or another --config.logs")
         self.new_dir = NewRunDirectory(self.run_dir)  # before any write
+        self.model, self.model_config, clip_params, self.mean, self.std = load_model(config)  # before make_data
         self.train_set, self.test_set, self.shift_set = open_sets(config)
-        self.model, self.model_config, clip_params, self.mean, self.std = load_model(config)
         self.mesh = create_mesh()
         self.global_batch = config.batch_size * self.mesh.size
         self.steps_per_epoch = len(self.train_set) // self.global_batch
