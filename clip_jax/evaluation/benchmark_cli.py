@@ -33,7 +33,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import storage, xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"
@@ -154,6 +154,9 @@ def run_eval(args) -> list[dict]:
             print(f"{job[0].name}: skipped, {job[2]} exists (--skip_existing)")
     if not todo:
         return []
+    if jax.process_index() == 0:  # the process that writes the records: before any dataset is evaluated
+        for job in todo:
+            check_output(job[2])
     loaded = load_model(args)
     records = []
     for job in todo:
@@ -167,7 +170,12 @@ def run_eval(args) -> list[dict]:
     return records
 
 
+def check_output(path: str) -> None:
+    storage.check_output_file(path, what="the result", change="give --output a path you can write to", remote=False)
+
+
 def run_build(args) -> None:
+    check_output(args.output)
     records = []
     for path in args.files:
         try:

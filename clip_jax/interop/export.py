@@ -92,6 +92,8 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     mean, std = opened.normalization(mean, std)
     if len(mean) != 3 or len(std) != 3:
         raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
+    storage.check_output_folder(out_dir, what="the export", change="give OUT_DIR a folder you can write to",
+                                remote=False)  # before the weights are read
     skipped = export_open_clip(opened.variables(), opened.config, out_dir, mean=mean, std=std,
                                transformers=transformers)
     return opened.config, skipped
