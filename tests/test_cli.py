@@ -170,19 +170,11 @@ def train_cli(fields, *, env=None):
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def unwritable_folder(tmp_path):
-    """A folder this process cannot write into: mode 555, or, for root (whom modes do not stop), sysfs's root."""
-    if os.geteuid() == 0:
-        return "/sys"
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o555)
-    return str(folder)
-
-
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path):
-    folder = unwritable_folder(tmp_path)
+def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path,
+                                                                                             unwritable_folder):
+    folder = unwritable_folder
     logs = os.path.join(folder, "logs")
     done = train_cli({"logs": logs, "name": "run", "model": "configs/models/demo-tiny.json",
                       "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the check

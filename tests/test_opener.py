@@ -78,6 +78,14 @@ def test_each_kind_of_model_path_gives_its_model_preprocessing_weights_and_token
     assert open_model(str(root / "params.npz"), config).normalization(mean=(0.1,) * 3)[0] == (0.1,) * 3
 
 
+def test_a_run_or_checkpoint_named_relative_to_the_working_folder_opens(paths, monkeypatch):
+    """As the README's commands name the demo (`--pretrained logs/demo`): Orbax reads absolute paths only."""
+    root, _, params = paths
+    monkeypatch.chdir(root)
+    for name in ("run", "run/checkpoints", "run/checkpoints/3"):
+        jax.tree.map(np.testing.assert_array_equal, open_model(name).variables(), {"params": params})
+
+
 def _refusal(path, error, **options) -> str:
     with pytest.raises(error) as info:
         open_model(str(path), **options).variables()

@@ -24,7 +24,7 @@ from clip_jax.evaluation.benchmark import classification_metrics
 from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.linear_probe import ProbeOptions, fit_classifiers, search_weight_decay, validation_split
-from clip_jax.evaluation.shifts import inverted
+from clip_jax.evaluation.shifts import SHIFTS
 from clip_jax.interop.classification_head import write_head
 from clip_jax.interop.export import export_open_clip
 from clip_jax.interop.opener import open_model
@@ -63,8 +63,8 @@ def open_sets(c):
         test = test.head(c.test_samples)
     if not c.shift_data:
         return train, test, None
-    if c.shift_data == INVERT:
-        return train, test, inverted(test)
+    if c.shift_data in SHIFTS:
+        return train, test, SHIFTS[c.shift_data](test)
     shift = clip_benchmark.open_training_set(c.shift_data, c.test_split)
     if shift.class_names != test.class_names:
         raise InvalidInput(f"shift_data={c.shift_data!r} names other classes than data={c.data!r}; the shifted set "
