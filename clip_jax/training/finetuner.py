@@ -38,7 +38,7 @@ from clip_jax.training import finetune_step as ft
 from clip_jax.training import wise_ft
 from clip_jax.training.config_checks import report_targets
 from clip_jax.training.evaluations import PROBE_VAL_PROPORTION, eval_batch_size
-from clip_jax.training.finetune_config import INVERT, check_finetune_config
+from clip_jax.training.finetune_config import check_finetune_config
 from clip_jax.training.finetune_data import train_batches
 from clip_jax.runtime.stop_signals import StopSignal
 from clip_jax.training.run_setup import NewRunDirectory
