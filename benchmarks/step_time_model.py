@@ -1,6 +1,8 @@
 """The step-time model (clip_jax.plan.step_time) fitted on the H200 measurements, and checked leave-one-out.
 
     python benchmarks/step_time_model.py [--out DIR] [--cache DIR]
+    python benchmarks/step_time_model.py --check results/h200-DAY-NAME.jsonl   # a later lease, held out
+
 
 Reads every ViT-L/14 clip_jax run the GPU suite recorded on an H200 (benchmarks/results/h200-*.jsonl) and the two
 kernel profiles of 2026-12-04 (benchmarks/results/h200-2026-12-04-*.xplane.pb.gz: the device's kernels over two
@@ -20,6 +22,11 @@ fp32 MFU measured on 2026-11-30). Prints the tables and writes DIR/step_time_mod
 What differs from the device: the measurements ran jax 0.11.2 with autotuning and Triton GEMMs; the deviceless
 compile here runs the installed jax without either (so the Triton on/off pair measured on 2026-11-30 is out of
 reach and left out), and 2026-11-30's code was a few refactors older (RESULTS 10: < 1% in speed).
+
+--check FILE fits nothing: it predicts the settings FILE measured with the efficiencies clip_jax.plan.step_time
+holds (`H200_FIT`, fitted before FILE existed), beside what FILE and the other files measured at each setting, and
+each part's time (products, attention, memory-bound) in the kernels FILE's runs traced (gpu_suite.py --profile);
+it writes DIR/step_time_check.json.
 """
 
 import argparse
@@ -73,6 +80,7 @@ LEVERS = [
 PROFILES = {  # the kernel profiles of 2026-12-04, by setting
     ("bf16", "dots_saveable", "cudnn", 256): "h200-2026-12-04-bf16-dots_saveable-cudnn-256.xplane.pb.gz",
     ("fp32", "dots_saveable", "xla", 256): "h200-2026-12-04-fp32-dots_saveable-xla-256.xplane.pb.gz",
+    ("bf16", "nothing_saveable", "cudnn", 512): "h200-2026-12-04-bf16-nothing_saveable-cudnn-512.xplane.pb.gz",
 }
 PROFILED_STEPS = 2  # benchmarks/gpu_suite.py traced two steps
 # Steps no GPU has measured, predicted with the fit: (gpu, precision, remat, attention, per-GPU batch). The recipe's
@@ -114,25 +122,33 @@ class Setting:
         return self.batch / statistics.mean(rate for rate, _ in self.measured)
 
 
-def measured_settings() -> list[Setting]:
-    """Every finished ViT-L/14 clip_jax run on an H200, grouped by setting (Triton-off runs left out). A setting
-    measured on several days keeps its latest day's runs: the step changed in between (2026-12-02's lean
-    LayerNorm and GELU halved the memory of the step without remat), and the model predicts today's."""
+def measured_settings(paths=None) -> list[Setting]:
+    """Every finished ViT-L/14 clip_jax run on an H200 (in `paths`, else in every results file), grouped by setting
+    (Triton-off runs left out). A setting measured on several days keeps its latest day's runs: the step changed in
+    between (2026-12-02's lean LayerNorm and GELU halved the memory of the step without remat), and the model
+    predicts today's."""
     settings: dict[tuple, Setting] = {}
-    for path in sorted(RESULTS.glob("h200-*.jsonl")):
+    for path in sorted(RESULTS.glob("h200-*.jsonl")) if paths is None else paths:
         for line in path.read_text().splitlines():
             run = json.loads(line)
             if (run.get("framework") != "clip_jax" or run.get("status") != "ok" or run.get("model") != "ViT-L-14"
                     or "H200" not in run.get("device_kind", "") or run.get("xla_flags")):
                 continue
-            numerics = tuple((name, run[name]) for name in NUMERICS if run.get(name))
-            setting = Setting(run["precision"], run["remat"], run["attention"], run["batch"], numerics)
+            setting = Setting(run["precision"], run["remat"], run["attention"], run["batch"], _numerics(run))
             settings.setdefault(setting.key, setting).measured.append((run["samples_per_s"], path.name))
     for setting in settings.values():
         latest = max(_day(source) for _, source in setting.measured)
         setting.superseded = [(rate, source) for rate, source in setting.measured if _day(source) != latest]
         setting.measured = [(rate, source) for rate, source in setting.measured if _day(source) == latest]
     return list(settings.values())
+
+
+def _numerics(run: dict) -> tuple:
+    return tuple((name, run[name]) for name in NUMERICS if run.get(name))
+
+
+def _key(run: dict) -> tuple:
+    return (run["precision"], run["remat"], run["attention"], run["batch"]) + tuple(v for _, v in _numerics(run))
 
 
 def _day(source: str) -> str:
@@ -274,15 +290,69 @@ def constant_mfu_rate(setting: Setting) -> float:
     return mfu * GPU.peak_tflops(setting.precision) * 1e12 / train_flops(get_model_config("ViT-L-14"))
 
 
+def check(path: pathlib.Path, cache: pathlib.Path, out: pathlib.Path) -> None:
+    """The settings `path` measured, predicted by the efficiencies step_time.py holds (see the module's doc)."""
+    held_out = measured_settings([path])
+    before = {s.key: s for s in measured_settings([p for p in sorted(RESULTS.glob("h200-*.jsonl"))
+                                                   if p.resolve() != path.resolve()])}
+    lines = [f"{path.name}, predicted with step_time.H200_FIT ({step_time.H200_FIT.fitted_on})", "",
+             f"{'setting':<52}{'measured':>12}{'before':>10}{'predicted':>11}{'error':>8}{'before err':>12}"]
+    rows = []
+    for setting in held_out:
+        setting.kernels = compile_kernels(setting, cache)
+        predicted = step_time.predict(setting.kernels, step_time.KernelRates.of(GPU))
+        rate = setting.batch / predicted.seconds
+        measured = statistics.mean(r for r, _ in setting.measured)
+        earlier = before.get(setting.key)
+        earlier_rate = statistics.mean(r for r, _ in earlier.measured) if earlier else None
+        rows.append({"setting": setting.label, "key": list(setting.key), "measured": [r for r, _ in setting.measured],
+                     "measured_before": [[r, s] for r, s in earlier.measured] if earlier else [],
+                     "predicted": rate, "error": rate / measured - 1,
+                     "error_before": rate / earlier_rate - 1 if earlier else None, "split_s": predicted.split})
+        lines.append(f"{setting.label:<52}{measured:>12.1f}{earlier_rate or float('nan'):>10.1f}{rate:>11.1f}"
+                     f"{rate / measured - 1:>8.1%}" + (f"{rate / earlier_rate - 1:>12.1%}" if earlier else ""))
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines.append(f"largest error {worst['error']:.1%} ({worst['setting']})")
+    # The kernel times each run's trace summed (gpu_suite.py --profile: per kernel name, over its traced steps).
+    profile_rows = []
+    lines += ["", "per part, ms per step: the run's traced kernels | predicted"]
+    lines.append(f"{'setting':<52}" + "".join(f"{part:>19}" for part in ("gemm", "attention", "memory")))
+    for setting in held_out:
+        traced = [json.loads(line) for line in path.read_text().splitlines()]
+        traced = [r["kernels"]["ops"] for r in traced if r.get("framework") == "clip_jax" and r.get("status") == "ok"
+                  and "ops" in (r.get("kernels") or {}) and _key(r) == setting.key]
+        if not traced:
+            continue
+        parts = collections.defaultdict(float)
+        for ops in traced:
+            for name, op in ops.items():
+                parts[trace_part(name)] += op["us"] * 1e-6 / len(traced)
+        predicted = step_time.predict(setting.kernels, step_time.KernelRates.of(GPU))
+        modelled = {"gemm": predicted.split["gemm"], "attention": predicted.split["attention"],
+                    "memory": predicted.split["elementwise"] + predicted.split["optimizer"]}
+        profile_rows.append({"setting": setting.label, "traced_s": dict(parts), "predicted_s": modelled,
+                             "predicted_launch_s": predicted.split["launch"]})
+        lines.append(f"{setting.label:<52}" + "".join(
+            f"{parts[part] * 1e3:>10.1f} |{modelled[part] * 1e3:>7.1f}" for part in ("gemm", "attention", "memory")))
+    table = "\n".join(lines)
+    print(table)
+    result = {"gpu": GPU.name, "checked": path.name, "efficiencies": dataclasses.asdict(step_time.H200_FIT),
+              "settings": rows, "profiles": profile_rows}
+    (out / "step_time_check.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
     parser.add_argument("--cache", default=str(pathlib.Path(__file__).parent / "out" / "step_time_hlo"))
+    parser.add_argument("--check", help="a GPU suite results file: its settings predicted by step_time.H200_FIT")
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     out, cache = pathlib.Path(args.out), pathlib.Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
+    if args.check:
+        return check(pathlib.Path(args.check), cache, out)
 
     settings = measured_settings()
     for setting in settings:
