@@ -233,6 +233,15 @@ def test_a_missing_pretrained_or_dataset_is_one_line():
         check_finetune_config(c)
 
 
+def test_a_missing_pretrained_run_is_one_line_naming_what_to_give(fashion):
+    c = default_finetune_config()
+    c.pretrained, c.data, c.make_data = "/nowhere/runs/mine", str(fashion), ""
+    with pytest.raises(InvalidInput) as error:
+        check_finetune_config(c)
+    assert str(error.value) == ("bad config: pretrained='/nowhere/runs/mine' does not exist: give the run directory "
+                                "of a finished training run, an exported folder or a weights file (with model)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The parts against plain computations
 
