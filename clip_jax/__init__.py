@@ -4,12 +4,18 @@ The core (models, tokenizer, conversion, loss, train step) imports neither Tenso
 bare JAX image. Names below load on first use, so that `import clip_jax.tokenizer` (in data workers) stays light;
 so do the subpackages and modules, so that after `import clip_jax` a dotted name such as
 `clip_jax.interop.convert.from_open_clip` works as written.
+
+The one process-wide setting made at import: jaxlib's CUDA plugin's start-up traceback is left out on a machine
+without a GPU (`clip_jax.cuda_plugin`), so that a script using the library is as quiet as the commands.
 """
 
 import importlib
 import importlib.util
 
+from clip_jax import cuda_plugin
+
 __version__ = "0.1.0"
+cuda_plugin.quiet_cuda_plugin()
 
 _EXPORTS = {
     "CLIPConfig": "clip_jax.models",

@@ -140,3 +140,13 @@ def the_process_left_as_found():
     handlers, filters = state()
     assert handlers == before[0], f"signal handlers changed: {before[0]} -> {handlers}"
     assert filters == before[1], f"log filters changed: {before[1]} -> {filters}"
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder this process cannot write into: mode 555, or, for root (whom modes do not stop), sysfs's root."""
+    if os.geteuid() == 0:
+        return "/sys"
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    return str(folder)

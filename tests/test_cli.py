@@ -144,6 +144,36 @@ def test_a_gpu_asked_for_keeps_the_cuda_plugins_message():
     assert "Jax plugin configuration error" in done.stderr and "cuInit" in done.stderr
 
 
+# The README's inference snippet up to its first use of JAX (which starts the backends), on a model small enough
+# for the moment: what a user's script does after `import clip_jax`.
+SNIPPET = ("import clip_jax\n"
+           "model, params, _, eval_transform = clip_jax.create_model_and_transforms({'embed_dim': 32, 'vision_cfg': "
+           "{'image_size': 32, 'layers': 1, 'width': 64, 'patch_size': 8, 'head_width': 32}, 'text_cfg': "
+           "{'context_length': 77, 'vocab_size': 49408, 'width': 32, 'heads': 2, 'layers': 1}})\n"
+           "print('loaded')\n")
+GPU_PRESENT = "import clip_jax.cuda_plugin\nclip_jax.cuda_plugin.nvidia_gpu_present = lambda: True\n"
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@needs_cuda_plugin_without_gpu
+def test_importing_clip_jax_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugin():
+    done = subprocess.run([sys.executable, "-c", SNIPPET], cwd=REPO, env=without_gpu_settings(),
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "loaded\n", "")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@needs_cuda_plugin_without_gpu
+@pytest.mark.parametrize("settings, start", [({"JAX_PLATFORMS": "cuda,cpu"}, ""), ({}, GPU_PRESENT)],
+                         ids=["JAX_PLATFORMS set", "a GPU present"])
+def test_importing_clip_jax_keeps_the_cuda_plugins_message_where_a_gpu_is_asked_for_or_present(settings, start):
+    done = subprocess.run([sys.executable, "-c", start + SNIPPET], cwd=REPO, env=without_gpu_settings(**settings),
+                          capture_output=True, text=True, timeout=120)
+    assert "Jax plugin configuration error" in done.stderr and "cuInit" in done.stderr
+
+
 def train_cli(fields, *, env=None):
     """`python -m clip_jax.train` on tests/train_config.py with these config fields."""
     env = dict(env or os.environ, CLIP_JAX_TEST_CONFIG=json.dumps(fields))
@@ -151,19 +181,11 @@ def train_cli(fields, *, env=None):
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def unwritable_folder(tmp_path):
-    """A folder this process cannot write into: mode 555, or, for root (whom modes do not stop), sysfs's root."""
-    if os.geteuid() == 0:
-        return "/sys"
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o555)
-    return str(folder)
-
-
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path):
-    folder = unwritable_folder(tmp_path)
+def test_a_logs_folder_that_cannot_be_written_is_one_line_naming_it_before_anything_is_built(tmp_path,
+                                                                                             unwritable_folder):
+    folder = unwritable_folder
     logs = os.path.join(folder, "logs")
     done = train_cli({"logs": logs, "name": "run", "model": "configs/models/demo-tiny.json",
                       "train_data": str(tmp_path / "no-shards-{0..1}.tar")})  # read after the check

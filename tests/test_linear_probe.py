@@ -188,6 +188,23 @@ def test_zero_shot_tasks_write_the_records_of_zeroshot_benchmark(export, fashion
     assert row["task"] == "zeroshot_classification" and float(row["acc1"]) == ours["metrics"]["acc1"]
 
 
+def test_a_record_of_an_export_names_its_model_not_the_folder(fashion, tmp_path):
+    """The model of an export (`model_name` in its open_clip_config.json) is the record's `model`, as it is of the
+    run it came from; the folder's name is the record's `pretrained`. OpenCLIP still loads the folder."""
+    model_file = tmp_path / "tiny-77.json"
+    model_file.write_text(json.dumps(TINY_77))
+    config = get_model_config(str(model_file))
+    folder = tmp_path / "exported"
+    params = convert.from_open_clip(state_dict_numpy(open_clip_model(TINY_77, seed=7)), TINY_77)
+    export_open_clip(params, config, str(folder), mean=OPENAI_MEAN, std=OPENAI_STD)
+    out = tmp_path / "results"
+    assert _eval(folder, fashion, out, "--batch_size", "100", "--output", str(out / "{pretrained}_{model}.json")) == 0
+    (path,) = out.glob("*.json")
+    record = json.loads(path.read_text())
+    assert (path.name, record["model"], record["pretrained"]) == ("exported_tiny-77.json", "tiny-77", "exported")
+    open_clip.create_model_and_transforms(f"local-dir:{folder}")
+
+
 @pytest.mark.slow
 def test_the_trainer_logs_the_probe_of_benchmark_eval_beside_its_other_metrics(run, fashion, tmp_path):
     """`linear_probe_data`: probed after epoch 2 of 3 (`linear_probe_frequency=2`) and at the end, each a record of

@@ -224,3 +224,45 @@ def test_the_readme_recipe_for_your_own_data_runs_as_written_up_to_the_first_ste
     assert [c.name for c in configs] == ["photos", "csv", "shards"]
     assert all(set(c.keys()) == set(default_config().keys()) and c.make_train_data == "" for c in configs)
     assert [steps_on_one_device(c) for c in configs] == [60, 60, 10 * -(-100_000 // 64)]
+
+
+def offline_benchmark_commands() -> list[list[str]]:
+    """The README's commands that write the CLIP_benchmark dataset at hand without a download and evaluate on it."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)
+    (block,) = [block for block in blocks if "clip_jax.benchmark fashion-mnist" in block]
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def test_the_readme_writes_the_benchmark_dataset_at_hand_offline_and_evaluates_the_demo_on_it(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Run as written from a folder holding `logs/demo` (here a tiny export) and Fashion-MNIST cut to 20 images a
+    split: the first command writes the folder the fine-tuning demo writes, the second scores a model on it."""
+    import runpy
+
+    import jax
+
+    import clip_jax
+    from clip_jax.data import fashion_mnist
+    from clip_jax.evaluation import benchmark_cli
+    from clip_jax.interop.export import export_open_clip
+
+    write, evaluate = offline_benchmark_commands()
+    assert write[:4] == ["python", "-m", "clip_jax.benchmark", "fashion-mnist"]
+    assert evaluate[:4] == ["python", "-m", "clip_jax.benchmark", "eval"]
+    finetune_data = runpy.run_path(os.path.join(REPO, "configs", "demo_finetune.py"))["get_config"]().data
+    assert os.path.normpath(os.path.join(REPO, write[4])) == os.path.normpath(finetune_data)
+
+    model = clip_jax.create_model(TINY_EXPORT | {"vision_cfg": {**TINY_EXPORT["vision_cfg"], "image_size": 28,
+                                                                "patch_size": 7}})
+    export_open_clip(clip_jax.init_params(model, jax.random.key(0)), model.config, str(tmp_path / "logs" / "demo"),
+                     mean=(0.5,) * 3, std=(0.5,) * 3)
+    load = fashion_mnist.load
+    monkeypatch.setattr(fashion_mnist, "load", lambda split, root=fashion_mnist.DEFAULT_DIR: tuple(
+        array[:20] for array in load(split, root)))
+    monkeypatch.chdir(tmp_path)
+    assert benchmark_cli.main(write[3:]) == 0
+    assert benchmark_cli.main(evaluate[3:]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^wds/fashion-mnist \(zeroshot_classification, .* s\): acc1 ", out, re.M), out

@@ -151,3 +151,16 @@ def test_a_step_whose_cudnn_attention_xla_gpu_refuses_is_planned_with_xlas_atten
     assert "head dim must be <= 128" in note and "set attention_impl='xla'" in note
     assert result.setup.attention == "xla" and result.throughput.predicted_samples_per_s > 0
     assert planner.format_plan(result).splitlines()[1] == f"  note: {note}"
+
+
+def test_the_h200_efficiencies_in_the_code_are_those_the_benchmark_fitted():
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                        "cpu-2026-12-04-step-time-model.json")
+    with open(path) as f:
+        fitted = json.load(f)["efficiencies"]
+    for name in ("gemm_16bit", "gemm_tf32", "attention", "memory"):
+        assert getattr(step_time.H200_FIT, name) == pytest.approx(fitted[name], abs=5e-4), name
+    assert step_time.H200_FIT.launch_us == pytest.approx(fitted["launch_us"], abs=5e-3)

@@ -12,6 +12,13 @@ file (clip_jax .npz, OpenCLIP .pt/.bin/.safetensors; `--model` names its model).
 CLIP_benchmark's JSON record, written to `--output` formatted with `{dataset}` (the name without `wds/`, `/` made
 `_`), `{model}`, `{pretrained}` (its file or folder name), `{task}` and `{language}`. `build` gathers records into
 one CSV row per dataset. The zero-shot tasks run the code of `python -m clip_jax.zeroshot --benchmark`.
+
+Without a download, one dataset is at hand: the bundled Fashion-MNIST, which `fashion-mnist FOLDER` writes in
+CLIP_benchmark's layout (as the fine-tuning demo does):
+
+    python -m clip_jax.benchmark fashion-mnist data/clip_benchmark/fashion-mnist
+    python -m clip_jax.benchmark eval --dataset wds/fashion-mnist --dataset_root data/clip_benchmark \\
+        --pretrained logs/demo
 """
 
 import argparse
@@ -33,7 +40,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import storage, xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"
@@ -154,6 +161,9 @@ def run_eval(args) -> list[dict]:
             print(f"{job[0].name}: skipped, {job[2]} exists (--skip_existing)")
     if not todo:
         return []
+    if jax.process_index() == 0:  # the process that writes the records: before any dataset is evaluated
+        for job in todo:
+            check_output(job[2])
     loaded = load_model(args)
     records = []
     for job in todo:
@@ -167,7 +177,12 @@ def run_eval(args) -> list[dict]:
     return records
 
 
+def check_output(path: str) -> None:
+    storage.check_output_file(path, what="the result", change="give --output a path you can write to", remote=False)
+
+
 def run_build(args) -> None:
+    check_output(args.output)
     records = []
     for path in args.files:
         try:
@@ -183,6 +198,19 @@ def run_build(args) -> None:
         records.append(record)
     benchmark_lib.write_summary(records, args.output)
     print(f"{len(records)} records -> {args.output}")
+
+
+def run_fashion_mnist(args) -> None:
+    """Writes the bundled Fashion-MNIST into `args.folder` in CLIP_benchmark's layout, unless it is there already."""
+    from clip_jax.evaluation.fashion_mnist_layout import write_fashion_mnist
+
+    change = "give another FOLDER"
+    storage.check_output_folder(args.folder, what="Fashion-MNIST", change=change, remote=False)
+    write_fashion_mnist(args.folder, change=change)
+    root, name = os.path.split(os.path.normpath(args.folder))
+    print(f"{args.folder}: Fashion-MNIST's train and test splits in CLIP_benchmark's layout; evaluate a model on it "
+          f"with: python -m clip_jax.benchmark eval --dataset wds/{name} --dataset_root {root or '.'} --pretrained "
+          "MODEL")
 
 
 def parse_args(argv=None):
@@ -222,6 +250,10 @@ def parse_args(argv=None):
     build = commands.add_parser("build", help="one CSV row per result JSON")
     build.add_argument("files", nargs="+", metavar="RESULT_JSON")
     build.add_argument("--output", default="benchmark.csv")
+    fashion = commands.add_parser("fashion-mnist", help="write the bundled Fashion-MNIST (70,000 images) as a "
+                                  "CLIP_benchmark dataset: the one evaluated without a download")
+    fashion.add_argument("folder", help="the dataset's folder, e.g. data/clip_benchmark/fashion-mnist (then "
+                         "--dataset wds/fashion-mnist --dataset_root data/clip_benchmark)")
     args = parser.parse_args(argv)
     if args.command == "eval":
         if args.batch_size < 1 or args.fewshot_epochs < 1 or min(args.recall_k) < 1:
@@ -241,7 +273,7 @@ def main(argv=None) -> int:
     if getattr(args, "distributed", False):
         jax.distributed.initialize()
     try:
-        run_eval(args) if args.command == "eval" else run_build(args)
+        {"eval": run_eval, "build": run_build, "fashion-mnist": run_fashion_mnist}[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -128,8 +128,10 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
         raise InvalidInput("--enable_image False and --enable_text False: nothing to embed")
     if args.batch_size < 1:
         raise InvalidInput(f"--batch_size {args.batch_size}: give at least 1")
-    if storage.is_remote(args.output_folder):  # credentials, bucket and endpoint, before the model loads
-        storage.check_location(args.output_folder, write=True)
+    # before the model loads: on disk a real write, on a bucket its credentials, endpoint and the right to write
+    storage.check_output_folder(args.output_folder, what="the embeddings",
+                                change="give --output_folder a folder you can write to",
+                                probe=f".clip_jax_write_probe-{process_index}")
     fmt = webdataset.SampleFormat.parse(args.wds_image_key, args.wds_caption_key)
     inputs, estimate = _inputs(args)
     if estimate == 0:

@@ -42,7 +42,7 @@ from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import ownership, xla_gpu
+from clip_jax.runtime import ownership, storage, xla_gpu
 from clip_jax.runtime.mesh import create_mesh
 
 
@@ -273,14 +273,26 @@ def parse_args(argv=None):
     return args
 
 
+def check_outputs(args) -> None:
+    """What process 0 writes, checked before any evaluation: `--output` writable (and claimed), and with
+    `--benchmark` the `--output-dir` of its records."""
+    if args.output:
+        storage.check_output_file(args.output, what="the metrics", change="give --output a path you can write to",
+                                  remote=False)
+        ownership.claim_file(args.output, writing="the report", change="give another --output")
+    if args.benchmark:
+        storage.check_output_folder(args.output_dir, what="the result records", remote=False,
+                                    change="give --output-dir a folder you can write to")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     if args.distributed:
         jax.distributed.initialize()
     try:
-        if args.output and jax.process_index() == 0:  # before the evaluation, not after it
-            ownership.claim_file(args.output, writing="the report", change="give another --output")
+        if jax.process_index() == 0:  # before the evaluation, not after it
+            check_outputs(args)
         report = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

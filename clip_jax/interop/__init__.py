@@ -1,6 +1,6 @@
 """clip_jax and the outside world: the model opener (`opener.open_model`: what a path holds), OpenCLIP and
 transformers weights both ways, pretrained starts, export to OpenCLIP's and transformers' folders, the inference
-API (`create_model_and_transforms`), the similarity demo."""
+API (`create_model_and_transforms`), and `similarity`: a model's predictions on your own images."""
 
 import functools
 

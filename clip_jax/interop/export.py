@@ -7,10 +7,12 @@
         --std 0.5 0.5 0.5
 
 OUT_DIR gets `open_clip_config.json` (`model_cfg`: the architecture in OpenCLIP's model-config format;
-`preprocess_cfg`: mean, std, interpolation, resize mode and image size) and `open_clip_model.safetensors` (the
-OpenCLIP state_dict, float32). Then `open_clip.create_model_and_transforms("local-dir:OUT_DIR")` builds the model
-with its weights and the preprocessing the run trained with, and clip_jax takes OUT_DIR wherever it takes a
-checkpoint. From a run, the model and the mean/std come from the run's `config.json`.
+`preprocess_cfg`: mean, std, interpolation, resize mode and image size; `model_name`, which OpenCLIP does not
+read: the model's name, e.g. the run's `demo-tiny`, as the commands reading the folder report it) and
+`open_clip_model.safetensors` (the OpenCLIP state_dict, float32). Then
+`open_clip.create_model_and_transforms("local-dir:OUT_DIR")` builds the model with its weights and the preprocessing
+the run trained with, and clip_jax takes OUT_DIR wherever it takes a checkpoint. From a run, the model and the
+mean/std come from the run's `config.json`.
 
 Beside them, as LAION's published models do, the same model in transformers' layout (`clip_jax.interop.hf_folder`:
 `config.json`, `model.safetensors`, `preprocessor_config.json` and the tokenizer's files), which
@@ -27,7 +29,8 @@ import sys
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder
 from clip_jax.interop.hf_clip import hf_unsupported
-from clip_jax.interop.open_clip_folder import EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE
+from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE,
+                                               export_config)
 from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
@@ -56,8 +59,7 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
     ownership.claim(out_dir, names, writing="the export",
                     change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
-    config = {"model_cfg": open_clip_model_cfg(model),
-              "preprocess_cfg": preprocess_cfg(model.vision.image_size, mean, std)}
+    config = export_config(open_clip_model_cfg(model), preprocess_cfg(model.vision.image_size, mean, std), model.name)
     with open(os.path.join(out_dir, EXPORT_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
@@ -93,6 +95,8 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     mean, std = opened.normalization(mean, std)
     if len(mean) != 3 or len(std) != 3:
         raise InvalidInput(f"mean {mean} and std {std} need 3 values each")
+    storage.check_output_folder(out_dir, what="the export", change="give OUT_DIR a folder you can write to",
+                                remote=False)  # before the weights are read
     skipped = export_open_clip(opened.variables(), opened.config, out_dir, mean=mean, std=std,
                                transformers=transformers)
     return opened.config, skipped

@@ -11,7 +11,7 @@ import os
 
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import hf_folder
-from clip_jax.models.config import CLIPConfig
+from clip_jax.models.config import UNNAMED, CLIPConfig
 from clip_jax.models.open_clip_json import config_from_open_clip
 
 EXPORT_CONFIG = "open_clip_config.json"
@@ -21,12 +21,22 @@ EXPORT_WEIGHTS = "open_clip_model.safetensors"
 FOLDER_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
                   "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin", "pytorch_model.pth",
                   "model.pth")
+# Beside OpenCLIP's `model_cfg` and `preprocess_cfg`: the exported model's name, as the commands that read the folder
+# report it (a CLIP_benchmark record's `model`). OpenCLIP reads only its own two keys.
+MODEL_NAME = "model_name"
 # What clip_jax's transforms do (clip_jax.data.transforms), in OpenCLIP's preprocess_cfg words.
 INTERPOLATION, RESIZE_MODE = "bicubic", "shortest"
 
 
 def read_export_config(folder: str) -> tuple[dict, dict]:
     """(model_cfg, preprocess_cfg) of an exported model folder, as OpenCLIP reads its `open_clip_config.json`."""
+    saved = _read_config_file(folder)
+    return saved["model_cfg"], saved.get("preprocess_cfg", {})
+
+
+def _read_config_file(folder: str) -> dict:
+    """The folder's `open_clip_config.json`, checked: an object with a `model_cfg` object and, where it has one, a
+    `preprocess_cfg` object."""
     path = os.path.join(folder, EXPORT_CONFIG)
     if not os.path.isfile(path):
         raise MissingInput(f"{path} is missing: an exported model folder holds {EXPORT_CONFIG} (the model and its "
@@ -42,13 +52,25 @@ def read_export_config(folder: str) -> tuple[dict, dict]:
     preprocess = saved.get("preprocess_cfg", {})
     if not isinstance(preprocess, dict):
         raise InvalidInput(f"{path}: preprocess_cfg must be an object")
-    return saved["model_cfg"], preprocess
+    return saved
 
 
 def folder_model_config(folder: str) -> CLIPConfig:
-    """The model an exported folder holds, named after the folder."""
-    model_cfg, _ = read_export_config(folder)
-    return config_from_open_clip(model_cfg, name=os.path.basename(os.path.normpath(folder)))
+    """The model an exported folder holds, under the name its export recorded (`model_name`: the run's model,
+    `demo-tiny` or `ViT-L-14`), else (a folder OpenCLIP wrote, or a model exported from an unnamed config) the
+    folder's name."""
+    saved = _read_config_file(folder)
+    name = saved.get(MODEL_NAME)
+    if not isinstance(name, str) or not name:
+        name = os.path.basename(os.path.normpath(folder))
+    return config_from_open_clip(saved["model_cfg"], name=name)
+
+
+def export_config(model_cfg: dict, preprocess_cfg: dict, name: str) -> dict:
+    """What an export writes as `open_clip_config.json`: OpenCLIP's two objects, and the model's name (which
+    OpenCLIP does not read) unless the model had none (`UNNAMED`)."""
+    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg,
+            **({MODEL_NAME: name} if name != UNNAMED else {})}
 
 
 def folder_preprocessing(folder: str) -> dict:

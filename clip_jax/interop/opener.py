@@ -12,17 +12,19 @@ and every `pretrained` start opens it here. `FORMATS` is the table of what clip_
 - `WeightsFile`: an OpenCLIP state_dict or clip_jax params (`.pt`, `.pth`, `.bin`, `.safetensors`, `.npz`), which
   does not say which model it holds.
 
-A path is exactly one of them: one that does not exist, a folder or file that is none of them, or one that is two
-at once is refused in one line saying what is there and what is expected. Runs and checkpoints are read from s3://
+A path is exactly one of them: one that does not exist, a folder or file that is none of them, one that is two at
+once, or a run with no complete checkpoint yet is refused when it is opened, in one line saying what is there and
+what is expected (`path_problems`: the same line for a config check). Runs and checkpoints are read from s3://
 and gs:// too, the other formats from a local path. A new format is a `ModelSource` here and a line in `FORMATS`.
 """
 
+import difflib
 import functools
 import json
 import os
 import re
 
-from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
 from clip_jax.interop.pretrained import clip_jax_variables, open_clip_variables
 from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
@@ -49,6 +51,10 @@ class ModelSource:
     def holds(path: str) -> bool:
         """Whether `path` is one (an existing path; on a bucket, only for a `remote` kind)."""
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Raises, saying what is there, when the path is of this kind but holds no model yet (a run that has not
+        saved a complete checkpoint); `open_model` asks before anything else is read."""
 
     def model_config(self) -> CLIPConfig | None:
         """The model the path holds; None when it does not say."""
@@ -119,10 +125,18 @@ class _RunCheckpoints(ModelSource):
     def _checkpoint(self) -> tuple[str, int]:
         raise NotImplementedError
 
+    @functools.cached_property
+    def checkpoint(self) -> tuple[str, int]:
+        """(checkpoints folder, step) of the checkpoint read: the one found when the path was opened."""
+        return self._checkpoint()
+
+    def check(self) -> None:
+        _ = self.checkpoint  # found, or refused in one line
+
     def variables(self, config: CLIPConfig) -> dict:
         from clip_jax.runtime.checkpoints import read_step_variables
 
-        directory, step = self._checkpoint()
+        directory, step = self.checkpoint
         return clip_jax_variables(read_step_variables(directory, step), config, self.path)
 
 
@@ -269,7 +283,7 @@ def model_source(path, what: str = "") -> ModelSource:
     named = f"{what} {path}" if what else path
     remote = storage.is_remote(path)
     if not storage.exists(path):
-        raise MissingInput(f"{named} does not exist: give {EXPECTED}")
+        raise MissingInput(f"{named} does not exist{did_you_mean(path)}: give {EXPECTED}")
     found = [f for f in FORMATS if (f.remote or not remote) and f.holds(path)]
     if len(found) > 1:
         raise InvalidInput(f"{named} is both {found[0].kind} and {found[1].kind}: give a path that holds one model "
@@ -285,6 +299,29 @@ def model_source(path, what: str = "") -> ModelSource:
     there = f"a folder of {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}" if names else "an empty folder"
     raise MissingInput(f"{named} is {there}: no complete checkpoint in it, neither an exported model folder nor any "
                        f"other model clip_jax reads; give {EXPECTED}")
+
+
+def did_you_mean(path: str) -> str:
+    """" (did you mean PATH?)" for a local path that is not there when its folder holds a name close to its own (a
+    typo: logs/dmeo beside logs/demo), else ""."""
+    folder, name = os.path.split(os.path.normpath(path))
+    if storage.is_remote(path) or not os.path.isdir(folder or "."):
+        return ""
+    try:
+        close = difflib.get_close_matches(name, os.listdir(folder or "."), n=1, cutoff=0.75)
+    except OSError:  # a folder that cannot be listed
+        return ""
+    return f" (did you mean {os.path.join(folder, close[0])}?)" if close else ""
+
+
+def path_problems(path, what: str) -> list[str]:
+    """[] when `path` holds a model (that `open_model` opens given the model's name), else the one line saying what
+    is there: for a config check that names every problem before anything is built."""
+    try:
+        model_source(path, what).check()
+    except UserError as e:
+        return [str(e)]
+    return []
 
 
 class OpenedModel:
@@ -323,6 +360,7 @@ def open_model(path, model=None, *, what: str = "") -> OpenedModel:
     is the model to read the weights as, fitted to it; None: the one the path holds, which a weights file does not
     say. `what` names the path in an error (a flag: "--pretrained")."""
     source = model_source(path, what)
+    source.check()
     if model is not None:
         return OpenedModel(source, get_model_config(model))
     config = source.model_config()

@@ -1,12 +1,24 @@
 """Encode images and captions and print how they match: `python -m clip_jax.similarity`.
 
-By default: one Fashion-MNIST test image per class (the bundled demo data) against the prompt "a photo of a {class}."
-for each class, with a freshly initialised model, which shows the whole path (data -> eval transform -> tokenizer ->
-both towers) but matches at chance. Give `--checkpoint` (any model path: clip_jax params or variables, an OpenCLIP
-checkpoint converted on the fly, an exported folder, a run) to see a trained model's zero-shot guesses.
+    python -m clip_jax.similarity --checkpoint exported/ --images photo.jpg photos/ --labels "a dog,a cat,a bird"
+
+`--checkpoint` takes any model the other commands take (a run, one of its checkpoints, an exported or transformers
+folder, a weights file with `--model`: `clip_jax.interop.opener`), as the model it holds, with the mean and std it
+was trained with and OpenCLIP's eval transform at its image size. `--images` names image files and folders,
+`--labels` the texts to match them with ("a,b,c"; or `--captions FILE`, one a line or a .csv's first column). For
+each image the table gives the `--top` texts and their probabilities: a softmax over the texts (a CLIP model, as
+OpenCLIP's example computes them), or each text's sigmoid (a SigLIP model, which has a logit_bias). `--json FILE`
+also writes every probability. An image that does not decode is named and skipped.
+
+Without `--images`: one Fashion-MNIST test image per class (the bundled demo data) against the prompt "a photo of a
+{class}." for each class, as a table of every class. Without `--checkpoint`: a freshly initialised `--model`
+(ViT-B-32 by default), which shows the whole path (data -> eval transform -> tokenizer -> both towers) but matches
+at chance.
 """
 
 import argparse
+import functools
+import json
 import sys
 
 import jax
@@ -14,12 +26,17 @@ import numpy as np
 from PIL import Image
 
 from clip_jax.data import fashion_mnist
-from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_crop, normalize
-from clip_jax.errors import UserError
+from clip_jax.data.transforms import eval_crop, normalize
+from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.interop import similarity_inputs as inputs
+from clip_jax.interop.inference import eval_transform
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
-from clip_jax.runtime import xla_gpu
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
+from clip_jax.runtime import ownership, xla_gpu
 from clip_jax.tokenizer import tokenize
+
+DEFAULT_MODEL = "ViT-B-32"  # without --checkpoint or --model
 
 
 def one_image_per_class(images: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,42 +62,146 @@ def format_table(probs: np.ndarray, row_names, column_names) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def format_top(probs: np.ndarray, image_names, texts, top: int) -> str:
+    """For each image (a row), its `top` texts with their probabilities, best first."""
+    ranks = np.argsort(-probs, axis=-1, kind="stable")[:, :top]  # [images, top]
+    rows = [["image"] + [f"{ordinal(k + 1)} text" for k in range(ranks.shape[1])]]
+    rows += [[name] + [f"{texts[j]}  {p[j]:.3f}" for j in r] for name, p, r in zip(image_names, probs, ranks)]
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    return "\n".join("   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def match(model, variables, image_batches, tokens) -> tuple[list[str], np.ndarray, str]:
+    """(image names, probabilities [images, texts], how they were made) of `image_batches` ((names, float32
+    [n, S, S, 3]) each) against `tokens` [texts, L]. Batches smaller than the first are padded to its size: one
+    compile of the image tower."""
+    text_features = jax.jit(functools.partial(model.apply, method="encode_text"))(variables, tokens)  # [T, E]
+    encode_image = jax.jit(functools.partial(model.apply, method="encode_image"))
+    params = variables["params"]
+    scale, bias = np.exp(np.float32(params["logit_scale"])), params.get("logit_bias")
+    names, rows, size = [], [], None
+    for batch_names, images in image_batches:
+        n, size = len(images), size or len(images)
+        if n < size:
+            images = np.concatenate([images, np.zeros((size - n, *images.shape[1:]), images.dtype)])
+        logits = scale * np.asarray(encode_image(variables, images))[:n] @ np.asarray(text_features).T
+        names += batch_names
+        if bias is None:
+            rows.append(np.asarray(jax.nn.softmax(logits, axis=-1)))
+        else:
+            rows.append(np.asarray(jax.nn.sigmoid(logits + np.float32(bias))))
+    kind = "softmax over the texts" if bias is None else "sigmoid of each text (a SigLIP model)"
+    return names, np.concatenate(rows) if rows else np.zeros((0, len(tokens)), np.float32), kind
+
+
+def texts_of(args) -> list[str] | None:
+    """The texts `--labels` or `--captions` give; None for the demo's prompts."""
+    if args.labels is not None and args.captions is not None:
+        raise InvalidInput("give --labels or --captions, not both")
+    texts = (inputs.parse_labels(args.labels) if args.labels is not None
+             else inputs.read_captions(args.captions) if args.captions is not None else None)
+    if (texts is None) != (args.images is None):
+        raise InvalidInput("--images needs the texts to match them with (--labels 'a,b,c' or --captions FILE)"
+                           if texts is None else "--labels and --captions are matched with --images FILE_OR_FOLDER")
+    if args.top < 1:
+        raise InvalidInput(f"--top {args.top}: give 1 or more")
+    return texts
+
+
+def open_checkpoint(args):
+    """(model, OpenedModel or None, mean, std): `--checkpoint` as the model it holds (or `--model`), else a fresh
+    `--model`."""
+    if not args.checkpoint:
+        model = create_model(args.model or DEFAULT_MODEL)
+        return model, None, tuple(args.mean or OPENAI_MEAN), tuple(args.std or OPENAI_STD)
+    opened = open_model(args.checkpoint, args.model, what="--checkpoint")
+    return create_model(opened.config), opened, *opened.normalization(args.mean, args.std)
+
+
+def demo_images(args, size: int, mean, std):
+    """(class names, one image batch of the first test image of each class, the class of each, the prompts)."""
+    classes = fashion_mnist.CLASS_NAMES
+    grey, labels = one_image_per_class(*fashion_mnist.load("test", args.data_dir), len(classes))
+    names = [classes[int(y)] for y in labels]
+    prompts = [f"a photo of {fashion_mnist.with_article(c)}." for c in classes]
+    return [(names, preprocess(grey, size, mean, std))], labels, prompts
+
+
+def run(args) -> dict:
+    model, opened, mean, std = open_checkpoint(args)
+    texts, size = texts_of(args), model.config.vision.image_size
+    if texts is None:
+        image_batches, labels, texts = demo_images(args, size, mean, std)
+    else:
+        paths, skipped = inputs.image_paths(args.images), []
+        transform = functools.partial(eval_transform, size=size, mean=mean, std=std)
+        image_batches = inputs.batches(inputs.read_images(paths, transform, skipped), args.batch_size)
+    if opened is not None:
+        variables = opened.variables()  # params, and a ResNet image tower's BatchNorm statistics (eval mode)
+    else:
+        variables = init_variables(model, jax.random.key(args.seed))
+        print(f"{model.config.name}: freshly initialised (seed {args.seed}); expect chance-level matches")
+    names, probs, kind = match(model, variables, image_batches, tokenize(texts, context_length=model.config.text.context_length))
+    report = {"model": model.config.name, "checkpoint": args.checkpoint, "probabilities": kind, "texts": texts,
+              "images": [{"image": n, "probabilities": p.tolist()} for n, p in zip(names, probs)]}
+    if args.images is None:
+        print(format_table(probs, names, fashion_mnist.CLASS_NAMES))
+        correct = int(np.sum(np.argmax(probs, -1) == labels))
+        print(f"{correct}/{len(labels)} images matched their own class's prompt (chance: 1/{len(labels)})")
+        return report
+    for s in skipped:
+        print(f"skipped {s.path}: {s.reason}", file=sys.stderr)
+    if not names:
+        raise MissingInput(f"no image of --images decodes ({plural(len(paths), 'image')} tried): see the lines above")
+    print(f"{plural(len(names), 'image')} x {plural(len(texts), 'text')}, {kind}:")
+    print(format_top(probs, names, texts, args.top))
+    report["skipped"] = [{"image": s.path, "reason": s.reason} for s in skipped]
+    return report
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m clip_jax.similarity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="ViT-B-32", help="model name or OpenCLIP model-config .json")
-    parser.add_argument("--checkpoint", help="clip_jax params .npz, an OpenCLIP .pt/.bin/.safetensors/.npz, an "
-                        "exported folder or a run (read as --model)")
+    parser.add_argument("--checkpoint", metavar="PATH", help="the model: a run directory, one of its checkpoints, an "
+                        "exported or transformers folder, or a weights file (with --model)")
+    parser.add_argument("--model", help="model name or OpenCLIP model-config .json: the model to read --checkpoint "
+                        f"as (default: the one it holds), or to initialise without it (default {DEFAULT_MODEL})")
+    parser.add_argument("--images", nargs="+", metavar="PATH", help="image files and/or folders of them (default: "
+                        "the Fashion-MNIST demo)")
+    parser.add_argument("--labels", help="the texts to match the images with, comma-separated: \"a dog,a cat\"")
+    parser.add_argument("--captions", metavar="FILE", help="the texts to match, one a line (a .csv or .tsv: its first "
+                        "column, or the one its header names caption, title or text)")
+    parser.add_argument("--top", type=int, default=3, help="the best texts shown for each image (default 3)")
+    parser.add_argument("--json", metavar="FILE", help="also write every probability to this JSON file")
+    parser.add_argument("--batch-size", type=int, default=32, help="images encoded at a time")
     parser.add_argument("--data-dir", default=fashion_mnist.DEFAULT_DIR, help="folder of the Fashion-MNIST .gz files")
-    parser.add_argument("--mean", type=float, nargs=3, default=OPENAI_MEAN, help="image mean (LAION L/14: 0.5 0.5 0.5)")
-    parser.add_argument("--std", type=float, nargs=3, default=OPENAI_STD, help="image std (LAION L/14: 0.5 0.5 0.5)")
+    parser.add_argument("--mean", type=float, nargs=3, help="image mean (default: the model's own, else OpenAI's)")
+    parser.add_argument("--std", type=float, nargs=3, help="image std (default: the model's own, else OpenAI's)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed when no checkpoint is given")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
-        model = create_model(args.model)
-        grey, labels = fashion_mnist.load("test", args.data_dir)
-        # params, and a ResNet image tower's BatchNorm statistics (applied in eval mode)
-        variables = None
-        if args.checkpoint:
-            variables = open_model(args.checkpoint, args.model, what="--checkpoint").variables()
+        if args.json:  # before the work, not after it
+            ownership.claim_file(args.json, writing="the probabilities", change="give another --json")
+        report = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if variables is None:
-        variables = init_variables(model, jax.random.key(args.seed))
-        print(f"{args.model}: freshly initialised (seed {args.seed}); expect chance-level matches")
-
-    classes = fashion_mnist.CLASS_NAMES
-    grey, labels = one_image_per_class(grey, labels, len(classes))
-    images = preprocess(grey, model.config.vision.image_size, args.mean, args.std)
-    prompts = [f"a photo of {fashion_mnist.with_article(c)}." for c in classes]
-    tokens = tokenize(prompts, context_length=model.config.text.context_length)
-
-    image_f, text_f, scale = jax.jit(model.apply)(variables, images, tokens)
-    probs = np.asarray(jax.nn.softmax(scale * image_f @ text_f.T, axis=-1))  # [images, prompts]
-    print(format_table(probs, [classes[int(y)] for y in labels], classes))
-    correct = int(np.sum(np.argmax(probs, -1) == labels))
-    print(f"{correct}/{len(labels)} images matched their own class's prompt (chance: 1/{len(classes)})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
     return 0
 
 

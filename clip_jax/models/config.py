@@ -18,6 +18,7 @@ BLOCK_TYPES = (None, "default", "custom")
 VISION_POOL_TYPES = ("tok", "avg")
 TEXT_POOL_TYPES = ("argmax", "first", "last", "eos")
 TEXT_PROJ_TYPES = ("linear", "none")
+UNNAMED = "custom"  # the name of a model given as a bare config (a dict): it says nothing about the model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ class CLIPConfig:
     vision: "VisionConfig | ResNetVisionConfig"
     text: TextConfig
     quick_gelu: bool = False  # OpenAI's original checkpoints use x * sigmoid(1.702 x); OpenCLIP's own use exact GELU
-    name: str = "custom"
+    name: str = UNNAMED
     # The head, as OpenCLIP's `init_logit_scale` / `init_logit_bias`: the raw scale's initial value, and the
     # initial value of a learned `logit_bias` the model has only when this is set (SigLIP: ln 10 and -10).
     init_logit_scale: float = math.log(1 / 0.07)

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from clip_jax.errors import InvalidInput
-from clip_jax.models.config import BlockConfig, CLIPConfig, ResNetVisionConfig, TextConfig, VisionConfig, is_resnet
+from clip_jax.models.config import (UNNAMED, BlockConfig, CLIPConfig, ResNetVisionConfig, TextConfig, VisionConfig,
+                                    is_resnet)
 
 # OpenCLIP's keys, by tower, with the type each must have (checked before anything is built). "int" and "float"
 # refuse bools and strings; "str?" / "float?" / "dict?" also take None (null).
@@ -165,7 +166,7 @@ def _vit_from_open_clip(v: Mapping[str, Any]) -> VisionConfig:
     )
 
 
-def config_from_open_clip(cfg: Mapping[str, Any], name: str = "custom") -> CLIPConfig:
+def config_from_open_clip(cfg: Mapping[str, Any], name: str = UNNAMED) -> CLIPConfig:
     """Builds a `CLIPConfig` from a dict in OpenCLIP's model-config JSON format.
 
     Every key is checked first: an unknown key, a value of the wrong type, a tower clip_jax does not build or an

@@ -126,6 +126,7 @@ def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
         storage.check_location(run_dir, write=False)
     series = read_metrics(run_dir)
     output = output or storage.join(run_dir, run_directory.REPORT)
+    storage.check_output_file(output, what="the report", change="give --output a path you can write to")
     drawn = write_png(series, output, storage.basename(run_dir))
     return output, format_summary(summary_rows(series, drawn))
 

@@ -264,7 +264,7 @@ def read_step_variables(directory: str, step: int) -> dict:
     import numpy as np
 
     storage.prepare_for_orbax(directory)
-    state_dir = storage.join(directory, str(step), STATE)
+    state_dir = storage.join(storage.absolute(directory), str(step), STATE)  # Orbax reads absolute paths only
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(state_dir))
     state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
     to_host = lambda tree: jax.tree.map(  # noqa: E731

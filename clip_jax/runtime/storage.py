@@ -204,6 +204,41 @@ def unwritable(path: str, *, probe: str = ".clip_jax_write_probe") -> str | None
     return None
 
 
+def check_output_folder(path: str, *, what: str, change: str, remote: bool = True,
+                        probe: str = ".clip_jax_write_probe") -> None:
+    """Before any work: a one-line UserError when `what` ("the export", "the run directory") cannot be written into
+    the folder `path` (made when missing): "cannot write WHAT PATH: REASON; CHANGE". On disk the test is a real
+    write (`unwritable`); on a bucket, credentials, bucket, endpoint and the right to write (`check_location`);
+    with `remote` False (a command that writes local files only) a URL is refused. `probe` names the test file (one
+    name per process where several check at once)."""
+    _check_output(path, path, what=what, change=change, remote=remote, probe=probe)
+
+
+def check_output_file(path: str, *, what: str, change: str, remote: bool = True) -> None:
+    """`check_output_folder` for one file `path` a command writes (`--output report.json`): its folder, and the
+    path itself where something is there already (a folder, or a file that cannot be written)."""
+    if not is_remote(path) and os.path.lexists(path):
+        reason = (f"{absolute(path)} is a folder" if os.path.isdir(path) else
+                  None if os.access(path, os.W_OK) else f"{absolute(path)} is not writable")
+        if reason:
+            raise InvalidInput(f"cannot write {what} {absolute(path)}: {reason}; {change}")
+    _check_output(path, dirname(absolute(path)), what=what, change=change, remote=remote)
+
+
+def _check_output(named: str, folder: str, *, what: str, change: str, remote: bool,
+                  probe: str = ".clip_jax_write_probe") -> None:
+    """`check_output_folder` of `folder`, the error naming `named` (the output: that folder or a file in it)."""
+    if not is_remote(named):
+        reason = unwritable(folder, probe=probe)
+        if reason:
+            raise InvalidInput(f"cannot write {what} {absolute(named)}: {reason}; {change}")
+    elif not remote:
+        raise InvalidInput(f"cannot write {what} to {named}: it is written to a local path only (copy it to "
+                           f"the bucket afterwards); {change}")
+    else:
+        check_location(folder, write=True, probe=probe)
+
+
 def check_location(url: str, *, write: bool, probe: str = ".clip_jax_write_probe") -> None:
     """Raises a one-line UserError when the run cannot use `url`: the s3fs/gcsfs package missing, no credentials,
     a bucket that does not exist, an endpoint that does not answer, (with `write`) no right to write there.

@@ -11,17 +11,17 @@ be skipped (`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, read once when JAX loads its pl
 the compiler must not autotune or pick Triton GEMMs, which need a device (`COMPILER_OPTIONS`, given to every
 compile by `compile_lowered`).
 
-The same plugin, installed on a machine without a GPU, makes every other command print its start-up check's failure
-(`cuInit(0) failed`) as an error-level traceback before JAX goes on with the CPU: `quiet_cuda_plugin` drops it there.
+The same plugin, installed on a machine without a GPU, makes JAX print its start-up check's failure (`cuInit(0)
+failed`) as an error-level traceback before it goes on with the CPU: `quiet_cuda_plugin` (`clip_jax.cuda_plugin`,
+which `import clip_jax` installs; the commands call it here too) drops it there.
 """
 
 import dataclasses
-import glob
 import importlib.util
-import logging
 import os
 import re
 
+from clip_jax.cuda_plugin import PLUGINS, nvidia_gpu_present, quiet_cuda_plugin  # noqa: F401 (the commands' names)
 from clip_jax.errors import InvalidInput, RunFailed
 from clip_jax.runtime import hlo_kernels
 from clip_jax.runtime.hlo_text import parse as parse_hlo
@@ -29,11 +29,8 @@ from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
-PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 INSTALL_HINT = "pip install -e '.[gpu]' (jaxlib's CUDA plugin and NVIDIA's libraries, about 4.4 GB of wheels)"
 GPUS_PER_NODE = 8  # the default topology's node size, when it divides the GPU count
-PLUGIN_LOGGER = "jax._src.xla_bridge"  # where JAX logs a plugin whose initialize() raised
-NVIDIA_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/dxg")  # the driver's; WSL's GPU
 
 
 class CudaPluginMissing(RunFailed):
@@ -54,29 +51,6 @@ def _module_exists(name: str) -> bool:
 def prepare() -> None:
     """Let the CUDA plugin load without a GPU. Call before JAX first initialises its backends."""
     os.environ.setdefault(SKIP_CHECK_ENV, "1")
-
-
-def quiet_cuda_plugin() -> None:
-    """Drop the CUDA plugin's start-up traceback on a machine without an NVIDIA GPU, unless JAX_PLATFORMS is set.
-
-    Only what is printed changes: JAX runs on the CPU there either way. Where a GPU is present, or JAX_PLATFORMS
-    (or `jax.config`'s jax_platforms) names the platforms, the message stays: it then tells of a GPU that does not
-    start. The command-line entry points call this before anything touches a device."""
-    logging.getLogger(PLUGIN_LOGGER).addFilter(_keep_plugin_record)  # adding the same filter twice is a no-op
-
-
-def _keep_plugin_record(record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    if not (message.startswith("Jax plugin configuration error") and any(p in message for p in PLUGINS)):
-        return True
-    import jax  # loaded: it is logging
-
-    return bool(jax.config.jax_platforms) or nvidia_gpu_present()
-
-
-def nvidia_gpu_present() -> bool:
-    """Whether this machine shows an NVIDIA GPU driver's device files (without starting CUDA)."""
-    return any(glob.glob(pattern) for pattern in NVIDIA_DEVICE_FILES)
 
 
 def parse_topology(text: str | None, num_gpus: int) -> tuple[int, int]:

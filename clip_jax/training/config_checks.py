@@ -7,6 +7,7 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
+from clip_jax.interop.opener import did_you_mean, path_problems
 from clip_jax.models.layers import ATTENTION_CHOICES, remat_policy_names
 from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES
 from clip_jax.run_config import default_config
@@ -69,8 +70,10 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         problems.append(f"pretrained={c.pretrained!r}: pretrained weights are read from a local path; copy them "
                         "there first (a run directory on a bucket: its checkpoint folder)")
     elif c.pretrained and not os.path.exists(c.pretrained):
-        problems.append(f"pretrained={c.pretrained!r} does not exist: give an OpenCLIP checkpoint, an exported "
-                        "folder or a clip_jax run directory")
+        problems.append(f"pretrained={c.pretrained!r} does not exist{did_you_mean(c.pretrained)}: give an OpenCLIP "
+                        "checkpoint, an exported folder or a clip_jax run directory")
+    elif c.pretrained:  # what is there when it holds no model: before the demo's data is written
+        problems += path_problems(c.pretrained, "pretrained")
     if c.force_image_size < 0:
         problems.append(f"force_image_size={c.force_image_size} must not be negative (0: the model's)")
     for lock, unlocked in (("lock_image", "lock_image_unlocked_groups"), ("lock_text", "lock_text_unlocked_layers")):

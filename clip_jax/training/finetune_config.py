@@ -8,6 +8,8 @@ import os
 import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
+from clip_jax.evaluation.shifts import SHIFTS
+from clip_jax.interop.opener import did_you_mean
 from clip_jax.run_config import instability_fields
 from clip_jax.training.config_checks import INSTABILITY_ACTIONS, choice_problems, report_to_problems
 
@@ -31,8 +33,8 @@ def default_finetune_config() -> ml_collections.ConfigDict:
     c.test_split = "test"
     c.train_samples = 0  # fine-tune on the first N train images (0: all)
     c.test_samples = 0  # score on the first N test images (0: all)
-    # The distribution shift each model is also scored on: "invert" (the test images inverted, 255 - x), a
-    # CLIP_benchmark folder whose `test_split` has the same classes, or "" (none)
+    # The distribution shift each model is also scored on: "invert" (the test images inverted, 255 - x), "vflip"
+    # (the test images upside down), a CLIP_benchmark folder whose `test_split` has the same classes, or "" (none)
     c.shift_data = INVERT
 
     # The head: "zeroshot" (the zero-shot classifier of the templates x class names, times 100) or "linear_probe"
@@ -80,7 +82,7 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
         problems.append("pretrained is empty: give an exported folder, a clip_jax run directory or a weights file "
                         "(with model)")
     elif not os.path.exists(c.pretrained):
-        problems.append(f"pretrained={c.pretrained!r} does not exist" + (
+        problems.append(f"pretrained={c.pretrained!r} does not exist{did_you_mean(c.pretrained)}" + (
             " (train the demo first: python -m clip_jax.train --config configs/demo.py)"
             if c.pretrained.rstrip("/").endswith("logs/demo") else
             ": give the run directory of a finished training run, an exported folder or a weights file (with model)"))
@@ -90,8 +92,9 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
         problems.append("data is empty: give a CLIP_benchmark classification dataset folder with train and test splits")
     elif not c.make_data:
         problems += split_problems("data", c.data, (c.train_split, c.test_split))
-    if c.shift_data and c.shift_data != INVERT:
-        problems += split_problems("shift_data", c.shift_data, (c.test_split,))
+    if c.shift_data and c.shift_data not in SHIFTS:
+        problems += [f"{p} (or one of the named shifts {tuple(SHIFTS)})"
+                     for p in split_problems("shift_data", c.shift_data, (c.test_split,))]
     if c.head_init not in HEAD_INITS:
         problems.append(f"head_init={c.head_init!r}: choose one of {HEAD_INITS}")
     for field in ("batch_size", "epochs", "keep", "log_every_n_steps", "nan_patience"):

@@ -26,7 +26,7 @@ from clip_jax.evaluation.classification import ZeroShotEvaluator
 from clip_jax.evaluation.evaluator import EvalSetting
 from clip_jax.evaluation.head import HeadEvaluator
 from clip_jax.evaluation.linear_probe import ProbeOptions, fit_classifiers, search_weight_decay, validation_split
-from clip_jax.evaluation.shifts import inverted
+from clip_jax.evaluation.shifts import SHIFTS
 from clip_jax.interop.classification_head import write_head
 from clip_jax.interop.export import export_open_clip
 from clip_jax.interop.opener import open_model
@@ -37,7 +37,7 @@ from clip_jax.training import classification_step as cs
 from clip_jax.training import wise_ft
 from clip_jax.training.config_checks import report_targets
 from clip_jax.training.evaluations import PROBE_VAL_PROPORTION, Evaluations, Scheduled, eval_batch_size
-from clip_jax.training.finetune_config import INVERT, check_finetune_config
+from clip_jax.training.finetune_config import check_finetune_config
 from clip_jax.training.schedule import Schedule
 from clip_jax.training.step_factory import ClassifierHead, OptimizerSpec, StepSpec, build_step
 from clip_jax.training.step_reads import local_values
@@ -60,8 +60,8 @@ def open_sets(c):
         test = test.head(c.test_samples)
     if not c.shift_data:
         return train, test, None
-    if c.shift_data == INVERT:
-        return train, test, inverted(test)
+    if c.shift_data in SHIFTS:
+        return train, test, SHIFTS[c.shift_data](test)
     shift = clip_benchmark.open_training_set(c.shift_data, c.test_split)
     if shift.class_names != test.class_names:
         raise InvalidInput(f"shift_data={c.shift_data!r} names other classes than data={c.data!r}; the shifted set "
@@ -84,6 +84,8 @@ class ClassificationFinetuning:
 
     def check(self) -> None:
         check_finetune_config(self.config)
+        c = self.config  # what the pretrained path holds, before the demo's data is written
+        self.opened = open_model(c.pretrained, c.model or None, what="pretrained")
 
     def written_entries(self) -> list[str]:
         c = self.config
@@ -94,13 +96,12 @@ class ClassificationFinetuning:
         self.train_set, self.test_set, self.shift_set = open_sets(self.config)
 
     def build(self, precision: str | None = None):
-        """The pretrained model opened, the schedule on every device and the step, built once (always fp32)."""
+        """The pretrained weights read, the schedule on every device and the step, built once (always fp32)."""
         if self.step is not None:
             return self.schedule, self.step.mesh, self.step
         c = self.config
-        opened = open_model(c.pretrained, c.model or None, what="pretrained")
-        self.mean, self.std = opened.normalization()
-        self.clip_params = jax.tree.map(lambda p: np.asarray(p, np.float32), opened.variables()["params"])
+        self.mean, self.std = self.opened.normalization()
+        self.clip_params = jax.tree.map(lambda p: np.asarray(p, np.float32), self.opened.variables()["params"])
         mesh = create_mesh()
         global_batch = c.batch_size * mesh.size
         steps_per_epoch = len(self.train_set) // global_batch
@@ -109,7 +110,7 @@ class ClassificationFinetuning:
                                f"{global_batch} (batch_size {c.batch_size} x {mesh.size} devices): lower batch_size")
         self.schedule = Schedule(global_batch, steps_per_epoch, c.epochs * steps_per_epoch)
         head = ClassifierHead(len(self.test_set.class_names), c.ema_decay)
-        spec = StepSpec.for_model(opened.config, "fp32", head=head, seed=c.seed,
+        spec = StepSpec.for_model(self.opened.config, "fp32", head=head, seed=c.seed,
                                   optimizer=OptimizerSpec.from_config(c, self.schedule.total_steps))
         self.step = build_step(spec, mesh)
         self.sets = {name: ZeroShotEvaluator(self.step.model, s, mesh, batch_size=eval_batch_size(mesh),
