@@ -38,7 +38,7 @@ from trainer_run import tiny_config  # noqa: E402
 
 from clip_jax.data import make_shards  # noqa: E402
 from clip_jax.errors import RunFailed  # noqa: E402
-from clip_jax.runtime.checkpoints import read_params  # noqa: E402
+from clip_jax.runtime.run_directory import read_params  # noqa: E402
 from clip_jax.training import trainer as train_lib  # noqa: E402
 
 BUCKET = "storage-faults"

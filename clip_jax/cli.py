@@ -6,13 +6,14 @@ and the closest one the config has, and exits 2 like every other user error (see
 
 A config file is plain Python that starts from the command's `default_config()` and sets fields, so a misspelled
 field (`c.batchsize = 128`) would only add a field nobody reads. A command that names its defaults
-(`expect_fields`) has every field its config file sets checked against them as the file loads, all named at once.
+(`expect_fields`) has every field its config file sets checked against them as the file loads, all named at once;
+a file that is another command's config (every field it sets is that command's) is named as such, with the command.
 """
 
 import difflib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import ml_collections
 from absl import app, flags
@@ -20,11 +21,14 @@ from absl import app, flags
 CONFIG_FLAG = "config"
 USAGE_ERROR = 2
 _DEFAULTS: dict[str, Callable[[], ml_collections.ConfigDict]] = {}  # config flag -> the command's default_config
+_OTHERS: dict[str, Mapping[str, Callable[[], ml_collections.ConfigDict]]] = {}  # config flag -> {command: defaults}
 
 
-def expect_fields(defaults: Callable[[], ml_collections.ConfigDict], config_flag: str = CONFIG_FLAG) -> None:
-    """Check the config file `--config_flag` loads against the fields `defaults()` has (see the module's docstring)."""
-    _DEFAULTS[config_flag] = defaults
+def expect_fields(defaults: Callable[[], ml_collections.ConfigDict], config_flag: str = CONFIG_FLAG,
+                  others: Mapping[str, Callable[[], ml_collections.ConfigDict]] | None = None) -> None:
+    """Check the config file `--config_flag` loads against the fields `defaults()` has (see the module's docstring);
+    `others`: the defaults of other commands (by their command line) whose configs are named as theirs."""
+    _DEFAULTS[config_flag], _OTHERS[config_flag] = defaults, dict(others or {})
 
 
 def run(main: Callable[[list[str]], object], config_flag: str = CONFIG_FLAG) -> None:
@@ -43,6 +47,10 @@ def parse_flags(argv: Sequence[str], config_flag: str = CONFIG_FLAG) -> list[str
         loaded.append(load(path))
         if config_flag in _DEFAULTS:
             unknown = unknown_fields(loaded[-1], _DEFAULTS[config_flag]())
+            owner = next((command for command, other in _OTHERS[config_flag].items()
+                          if unknown and not unknown_fields(loaded[-1], other())), None)
+            if owner:
+                exit_with(f"--{config_flag}={path} is a config of {owner}: run it with {owner} --{config_flag}={path}")
             if unknown:
                 exit_with(f"--{config_flag}={path} sets " + "; ".join(unknown) + ": fix the name in the file")
         return loaded[-1]

@@ -1,15 +1,13 @@
 """Fine-tune CLIP for classification with WiSE-FT: `python -m clip_jax.finetune --config configs/demo_finetune.py`.
 
-The command line of `clip_jax.training.finetuner`, where the run is described."""
+The command line of the run loop (`clip_jax.training.command`) with its fine-tuning task
+(`clip_jax.training.finetuning`, where the run is described); a stop signal is remembered from the first line on."""
 
 if __name__ == "__main__":
     from clip_jax.runtime.stop_signals import StopSignal
 
     _STOP = StopSignal()
 
-    import functools
+    from clip_jax.training import command
 
-    from clip_jax import cli
-    from clip_jax.training.finetune_command import main
-
-    cli.run(functools.partial(main, stop=_STOP))
+    command.run("fine-tuning", stop=_STOP)

@@ -146,12 +146,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.wandb_project = "clip_jax"  # W&B project (report_to includes wandb); WANDB_MODE=offline runs without network
 
     # Faults.
-    c.nan_patience = 3  # consecutive non-finite steps before rolling back
-    c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
-    c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
+    instability_fields(c)
 
     c.seed = 0
     return c
+
+
+def instability_fields(c: ml_collections.ConfigDict) -> None:
+    """The fields that say what a run does when it turns unstable (pretraining's and fine-tuning's)."""
+    c.nan_patience = 3  # consecutive non-finite steps before rolling back
+    c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
+    c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
 
 
 def saved_run_config(fields: dict) -> ml_collections.ConfigDict:

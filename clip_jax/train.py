@@ -1,17 +1,14 @@
 """Train CLIP: `python -m clip_jax.train --config configs/demo.py [--config.lr=5e-4 ...]`.
 
-The command line of `clip_jax.training.trainer`, where its options are described. A stop signal is remembered from
-the first line on, before the trainer's imports (seconds); data workers, which import this module again as they
-start, import nothing more from it."""
+The command line of the run loop (`clip_jax.training.command`, `clip_jax.training.trainer`), where its options are
+described. A stop signal is remembered from the first line on, before the trainer's imports (seconds); data
+workers, which import this module again as they start, import nothing more from it."""
 
 if __name__ == "__main__":
     from clip_jax.runtime.stop_signals import StopSignal
 
     _STOP = StopSignal()
 
-    import functools
+    from clip_jax.training import command
 
-    from clip_jax import cli
-    from clip_jax.training.command import main
-
-    cli.run(functools.partial(main, stop=_STOP))
+    command.run("pretraining", stop=_STOP)

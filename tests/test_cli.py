@@ -83,6 +83,17 @@ def test_a_misspelled_field_in_a_config_file_is_named_before_anything_is_built(m
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("module, config, owner", [("clip_jax.train", "demo_finetune.py", "clip_jax.finetune"),
+                                                   ("clip_jax.finetune", "demo.py", "clip_jax.train")])
+def test_the_other_commands_config_is_one_line_naming_that_command(module, config, owner):
+    path = os.path.join(REPO, "configs", config)
+    done = run_cli(module, f"--config={path}")
+    assert done.returncode == 2
+    assert done.stderr == (f"error: --config={path} is a config of python -m {owner}: run it with python -m {owner} "
+                           f"--config={path}\n")
+
+
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_an_override_of_the_wrong_type_is_one_line():
     done = run_cli("clip_jax.train", f"--config={TRAIN_CONFIG}", "--config.lr=abc")

@@ -3,7 +3,9 @@ table, its zero-shot end against `benchmark eval`, the export with its head scor
 against plain computations: the weight interpolation, the layer-wise learning rates, the step-indexed batches."""
 
 import csv
+import dataclasses
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -15,9 +17,12 @@ import optax
 import pytest
 from PIL import Image
 from test_clip_benchmark import write_dataset
+from trainer_run import losses, nan_after
+from xla_flags import FAST_COMPILE, xla_flags
 
 import clip_jax
 from clip_jax.data import fashion_mnist
+from clip_jax.data.classification import FinetuneBatches
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import benchmark_cli
 from clip_jax.evaluation.shifts import SHIFTS, inverted, upside_down
@@ -26,10 +31,10 @@ from clip_jax.interop.export import export_open_clip
 from clip_jax.models import create_model, get_model_config, init_params
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
-from clip_jax.training import finetune_step, wise_ft
+from clip_jax.training import trainer as train_lib
+from clip_jax.training import wise_ft
 from clip_jax.training.finetune_config import check_finetune_config, default_finetune_config
-from clip_jax.training.finetune_data import train_batches
-from clip_jax.training.finetuner import Finetuner
+from clip_jax.training.step_factory import OptimizerSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_TRAIN, NUM_TEST = 256, 96
@@ -115,53 +120,103 @@ def test_the_command_sweeps_alpha_and_exports_the_chosen_model_with_its_head(fas
         assert np.mean(predicted == labels[:NUM_TEST]) == pytest.approx(table["rows"][1][column], abs=1.5 / NUM_TEST)
 
 
-class StopBefore:
-    """A stop signal the run agrees on before its step `step` + 1 (`Finetuner.train` asks before every step)."""
-
-    def __init__(self, step: int):
-        self.asked, self.step, self.received = 0, step, "SIGTERM"
-
-    def agreed(self) -> bool:
-        self.asked += 1
-        return self.asked > self.step
-
-
-@pytest.mark.slow
-def test_a_stopped_fine_tuning_resumed_ends_with_the_weights_of_one_left_alone(fashion, pretrained, tmp_path):
-    def config(name):
-        c = default_finetune_config()
-        c.update(pretrained=str(pretrained), data=str(fashion), make_data="", batch_size=4, epochs=1, warmup=2,
-                 lr=1e-3, logs=str(tmp_path), name=name, report_to="none", shift_data="", alphas=(0.0,))
-        return c
-
-    def fine_tune(c, stop=None):
-        with Finetuner(c, stop) as run:
-            return run.train(), run.step, jax.device_get(run.state)
-
-    done, step, alone = fine_tune(config("alone"))
-    assert (done, step) == (True, 8)  # 256 images / (4 x 8 devices)
-    assert fine_tune(config("cut"), StopBefore(3))[:2] == (False, 3)
-    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["3"]
-    done, step, resumed = fine_tune(config("cut"))  # resume="latest", the default
-    assert (done, step) == (True, 8)
-    jax.tree.map(np.testing.assert_array_equal, resumed, alone)  # weights, EMA, optimizer state, step
-
-
 @pytest.mark.slow
 def test_a_fine_tuning_whose_set_up_fails_takes_back_the_run_directory_it_made(fashion, pretrained, tmp_path,
                                                                                monkeypatch):
-    from clip_jax.training import finetuner
-
     def unwritable_outputs(*args, **kwargs):
         raise PermissionError("the metrics cannot be written")
 
     c = default_finetune_config()
     c.update(pretrained=str(pretrained), data=str(fashion), make_data="", batch_size=4, epochs=1, warmup=2,
              logs=str(tmp_path / "logs"), name="failed", report_to="none", shift_data="")
-    monkeypatch.setattr(finetuner, "RunOutputs", unwritable_outputs)  # the last of the set-up, after config.json
+    monkeypatch.setattr(train_lib, "RunOutputs", unwritable_outputs)  # the last of the set-up, after config.json
     with pytest.raises(PermissionError):
-        Finetuner(c)
+        train_lib.Trainer(c)
     assert not (tmp_path / "logs").exists()  # the run directory and the logs folder it made, taken back
+
+
+def small_fine_tune(fashion, pretrained, logs, **overrides) -> dict:
+    """A fine-tune of 4 images per device for one epoch, a log line a step, no shifted set, the sweep's alpha 0 only."""
+    return dict(pretrained=str(pretrained), data=str(fashion), make_data="", batch_size=4, epochs=1, warmup=2, lr=1e-3,
+                logs=str(logs), name="ft", report_to="none", shift_data="", alphas=(0.0,), log_every_n_steps=1,
+                **overrides)
+
+
+def launched(settings: dict, *, devices: int, ranks: int = 1, env=None) -> subprocess.CompletedProcess:
+    """`python -m clip_jax.finetune` with `settings` (tests/finetune_run_config.py) on `devices` CPU devices, in one
+    process or as `ranks` processes of launch/local.py (each with `devices`)."""
+    command = [sys.executable, "-m", "clip_jax.finetune", f"--config={REPO}/tests/finetune_run_config.py"]
+    if ranks > 1:
+        command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(ranks), "--devices-per-process",
+                   str(devices), "--log-dir", os.path.join(settings["logs"], "ranks"), "--", *command]
+    environment = {**os.environ, "CLIP_JAX_TEST_CONFIG": json.dumps(settings), "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": FAST_COMPILE if ranks > 1 else xla_flags(devices),
+                   "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=400, env=environment, cwd=REPO)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_processes_stopped_and_resumed_fine_tune_as_one_process_on_the_same_global_batch(fashion, pretrained,
+                                                                                             tmp_path):
+    # 4 images per device x 4 devices = 16 a step: 16 steps over the 256 train images, in 1 process x 4 devices and
+    # in 2 processes x 2 devices (launch/local.py), the latter stopped after step 3 (at its stop check of step 5)
+    # and resumed
+    one = launched(small_fine_tune(fashion, pretrained, tmp_path / "one"), devices=4)
+    assert one.returncode == 0, one.stderr[-3000:]
+    settings = small_fine_tune(fashion, pretrained, tmp_path / "two")
+    stopped = launched(settings, devices=2, ranks=2, env={"CLIP_JAX_TEST_STOP_AFTER": "3"})
+    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert f"SIGTERM: saved checkpoint 5 in {tmp_path / 'two' / 'ft'}" in stopped.stdout
+    resumed = launched(settings, devices=2, ranks=2)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed {tmp_path / 'two' / 'ft' / 'checkpoints'}/5 " in resumed.stdout
+    expected, got = losses(tmp_path / "one" / "ft"), losses(tmp_path / "two" / "ft")
+    assert sorted(got) == sorted(expected) == list(range(1, 17))
+    np.testing.assert_allclose([got[s] for s in range(1, 17)], [expected[s] for s in range(1, 17)], rtol=1e-4)
+    records = [json.loads(line) for line in (tmp_path / "two" / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert all("learning_rate" in r and "lr" not in r for r in records if "loss" in r)
+
+
+@pytest.mark.slow
+def test_a_non_finite_batch_skips_its_update_as_in_pretraining(fashion, pretrained, tmp_path):
+    c = default_finetune_config()
+    c.update(small_fine_tune(fashion, pretrained, tmp_path))
+    with train_lib.Trainer(c, edit_batch=nan_after({2})) as run:  # the third batch's images are NaN
+        update, moved = run.engine.update, []
+
+        def watched(state, batch):
+            before = jax.tree.map(np.array, jax.device_get(state.params))  # copied: the state is donated
+            state, metrics = update(state, batch)
+            moved.append(not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                                       jax.tree.leaves(jax.device_get(state.params)))))
+            return state, metrics
+
+        run.engine = dataclasses.replace(run.engine, update=watched)
+        result = run.train()
+    assert (result["step"], run.skipped_updates, run.rollbacks) == (8, 1, 0)  # 256 images / (4 x 8 devices)
+    assert moved == [True, True, False, True, True, True, True, True]
+    records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert {"event": "non_finite_step", "step": 3, "skipped_updates": 1} in records
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 4, 5, 6, 7, 8]  # step 3's window holds no finite step
+    assert all(np.isfinite(r["loss"]) and "learning_rate" in r and "lr" not in r for r in logged)
+
+
+def test_a_checkpoint_of_the_other_task_is_refused_naming_its_command():
+    from types import SimpleNamespace
+
+    from clip_jax.runtime.checkpoints import CheckpointMeta
+    from clip_jax.training.run_setup import check_saved_task
+
+    meta = CheckpointMeta(step=3, model="tiny", precision="fp32", global_batch=8, samples_seen=24, epoch=0.1,
+                          task="fine-tuning")
+    check_saved_task(SimpleNamespace(name="fine-tuning"), meta, "CKPT")
+    with pytest.raises(InvalidInput) as refused:
+        check_saved_task(SimpleNamespace(name="pretraining"), meta, "CKPT")
+    assert str(refused.value) == ("checkpoint CKPT was saved by a fine-tuning run, this is a pretraining run: "
+                                  "continue it with python -m clip_jax.finetune, or give this run another "
+                                  "--config.name")
 
 
 def test_a_missing_pretrained_or_dataset_is_one_line():
@@ -176,6 +231,15 @@ def test_a_missing_pretrained_or_dataset_is_one_line():
     c.pretrained, c.data = REPO, REPO
     with pytest.raises(InvalidInput, match=r"^bad config: data='.*' has no usable 'train' split: .*nshards.txt"):
         check_finetune_config(c)
+
+
+def test_a_missing_pretrained_run_is_one_line_naming_what_to_give(fashion):
+    c = default_finetune_config()
+    c.pretrained, c.data, c.make_data = "/nowhere/runs/mine", str(fashion), ""
+    with pytest.raises(InvalidInput) as error:
+        check_finetune_config(c)
+    assert str(error.value) == ("bad config: pretrained='/nowhere/runs/mine' does not exist: give the run directory "
+                                "of a finished training run, an exported folder or a weights file (with model)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,8 +289,8 @@ def test_layer_wise_rates_grow_with_depth_and_scale_adams_first_step():
 
     # Adam's first step is lr * sign(gradient) (bias-corrected moments); with the decay, times the multiplier.
     lr = 0.01
-    optimizer = finetune_step.finetune_optimizer(params, lambda step: lr, weight_decay=0.0, layer_decay=d,
-                                                 image_layers=3)
+    spec = OptimizerSpec(weight_decay=0.0, b2=0.999, eps=1e-8, layer_decay=d)
+    optimizer = spec.with_layer_decay(spec.create(lambda step: lr), params, image_layers=3)
     grads = _tree(np.random.default_rng(2))
     updates, _ = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
     stack = updates["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]
@@ -250,15 +314,23 @@ def test_a_step_reads_the_same_batch_whether_the_run_started_there_or_before(fas
     source = open_dataset(read_layout(str(fashion), "train")).classification.source
     common = dict(global_batch=32, steps_per_epoch=8, seed=5, image_size=28, mean=OPENAI_MEAN, std=OPENAI_STD,
                   num_threads=2)
-    from_start = list(train_batches(source, start=0, stop=10, **common))
-    resumed = list(train_batches(source, start=7, stop=10, **common))
+
+    def train_batches(start, stop, **more):
+        batches = FinetuneBatches(source, start=start, **common, **more)
+        try:
+            return list(itertools.islice(batches, stop - start))
+        finally:
+            batches.close()
+
+    from_start = train_batches(0, 10)
+    resumed = train_batches(7, 10)
     for a, b in zip(from_start[7:], resumed):
         np.testing.assert_array_equal(a["labels"], b["labels"])
         np.testing.assert_array_equal(a["images"], b["images"])
     epoch = np.concatenate([b["labels"] for b in from_start[:8]])  # one epoch: every image once
     assert sorted(epoch.tolist()) == sorted(source.labels.tolist())
     assert not np.array_equal(epoch, np.concatenate([b["labels"] for b in from_start[8:10]] * 4))
-    halves = [list(train_batches(source, start=0, stop=2, process_index=p, process_count=2, **common)) for p in (0, 1)]
+    halves = [train_batches(0, 2, process_index=p, process_count=2) for p in (0, 1)]
     np.testing.assert_array_equal(np.concatenate([halves[0][1]["labels"], halves[1][1]["labels"]]),
                                   from_start[1]["labels"])
 

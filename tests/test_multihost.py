@@ -22,6 +22,7 @@ from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints, data_it
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training import run_setup
 from clip_jax.training import trainer as train_lib
+from clip_jax.training.remat_choice import step_spec
 from clip_jax.training.schedule import make_schedule
 from clip_jax.training.step_factory import build_step
 
@@ -100,7 +101,7 @@ def one_process(two_process_run):
     config = two_process_run[0]
     mesh = create_mesh()
     schedule = make_schedule(config, jax.device_count())
-    return mesh, build_step(train_lib.step_spec(config, schedule, mesh, "fp32"), mesh)
+    return mesh, build_step(step_spec(config, schedule, mesh, "fp32"), mesh)
 
 
 def saved_steps(checkpoints_dir) -> list[int]:

@@ -27,7 +27,7 @@ from clip_jax.run_config import default_config
 from clip_jax.runtime.checkpoints import CheckpointMeta, RunCheckpoints
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.finetune_config import default_finetune_config
-from clip_jax.training.finetuner import Finetuner
+from clip_jax.training.trainer import Trainer
 from clip_jax.training.train_step import init_train_state
 
 # the tiny model with the tokenizer's vocabulary, so that transformers' CLIPModel files are written for it too
@@ -180,7 +180,7 @@ def test_a_training_or_fine_tuning_start_says_what_is_at_its_pretrained_path_bef
         c.update(pretrained=path, data=str(tmp_path / "fashion-mnist"), make_data="fashion-mnist",
                  logs=str(tmp_path / "finetune-logs"), report_to="none")
         with pytest.raises(UserError) as error:
-            Finetuner(c)
+            Trainer(c)
         assert ("pretrained='logs/dmeo' does not exist (did you mean logs/demo?)" if missing else said) in (
             str(error.value))
         assert not (tmp_path / "fashion-mnist").exists()  # the demo's data is not written for a start that fails

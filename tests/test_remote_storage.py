@@ -20,7 +20,8 @@ from xla_flags import xla_flags
 from clip_jax.errors import MissingExtra, MissingInput, RunFailed
 from clip_jax.ops import report as report_lib
 from clip_jax.runtime import storage
-from clip_jax.runtime.checkpoints import RunCheckpoints, latest_complete_step, read_params, resolve_resume
+from clip_jax.runtime.checkpoints import RunCheckpoints, latest_complete_step
+from clip_jax.runtime.run_directory import read_params, resolve_resume
 from clip_jax.training import trainer as train_lib
 from clip_jax.training.config_checks import check_config
 

@@ -21,8 +21,9 @@ from clip_jax.evaluation import ShardedEncoder, zeroshot
 from clip_jax.interop import export, similarity, weight_files
 from clip_jax.interop.opener import load_pretrained, load_pretrained_variables
 from clip_jax.models import create_model
-from clip_jax.runtime.checkpoints import read_params, read_variables
 from clip_jax.runtime.mesh import create_mesh
+from clip_jax.runtime.run_directory import read_params, read_variables
+from clip_jax.training import pretraining
 from clip_jax.training import trainer as train_lib
 
 # 32 px (the 28 px shards are cropped up to it), one block a stage: a 1x1 grid at the attention pool.
@@ -42,7 +43,7 @@ def one_compiled_step():
     """Every trainer of this module builds the same step: `build_step` is pure, so one per (spec, mesh) is built and
     compiled once (the resumed trainer still restores its state from the checkpoint)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_lib, "build_step", functools.cache(train_lib.build_step))
+        patch.setattr(pretraining, "build_step", functools.cache(pretraining.build_step))
         yield
 
 

@@ -126,6 +126,13 @@ def test_the_report_png_and_its_table_come_from_the_metrics_file(run, capsys, tm
     assert "mfu" not in table  # a CPU has no peak FLOPs to measure against: no panel, no row
 
 
+def test_the_learning_rate_panel_plots_an_earlier_fine_tunes_lr_too(tmp_path):
+    lines = [{"step": 1, "loss": 2.0, "lr": 1e-4}, {"step": 2, "loss": 1.5, "lr": 2e-4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    patterns = dict(report_lib.PANELS)["learning rate"]
+    assert report_lib.panel_series(report_lib.read_metrics(str(tmp_path)), patterns) == ["lr"]
+
+
 def test_the_report_of_a_folder_without_metrics_is_one_clear_error(tmp_path, capsys):
     assert report_lib.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path}/metrics.jsonl does not exist: give a run directory " \

@@ -16,7 +16,7 @@ import pytest
 from s3_fault_proxy import FaultProxy
 from trainer_run import tiny_config
 
-from clip_jax.runtime.checkpoints import read_params
+from clip_jax.runtime.run_directory import read_params
 from clip_jax.training import trainer as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

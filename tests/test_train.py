@@ -21,6 +21,7 @@ from clip_jax.evaluation import zeroshot
 from clip_jax.ops import run_outputs
 from clip_jax.ops.writers import MetricsWindow
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, replicated
+from clip_jax.training import pretraining
 from clip_jax.training import trainer as train_lib
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_reads import local_values
@@ -299,7 +300,7 @@ def test_non_finite_steps_are_skipped_then_rolled_back_to_fp32(shards, tmp_path)
 
 
 def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path, monkeypatch):
-    closed, build = [], train_lib.data.build_train_iterator
+    closed, build = [], pretraining.data.build_train_iterator
 
     def build_recording_close(*args, **kwargs):
         iterator = build(*args, **kwargs)
@@ -315,7 +316,7 @@ def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path
     def unwritable(logdir):
         raise OSError(f"{logdir}: read-only file system")
 
-    monkeypatch.setattr(train_lib.data, "build_train_iterator", build_recording_close)
+    monkeypatch.setattr(pretraining.data, "build_train_iterator", build_recording_close)
     monkeypatch.setattr(train_lib, "RunCheckpoints", Checkpoints)
     monkeypatch.setattr(run_outputs, "TensorBoardWriter", unwritable)  # the last thing the set-up opens
     with pytest.raises(OSError, match="read-only file system"):

@@ -1,4 +1,5 @@
-"""Eval images and fixed-size batches: OpenCLIP's eval transform of one image, and zero-padded batches.
+"""Eval images and fixed-size batches: OpenCLIP's eval transform of one image, and zero-padded batches, built on
+`clip_jax.data.classification` (where fine-tuning's batches are made the same way).
 
 Every eval image, whatever set it comes from, goes through `eval_image` (decode or convert to RGB, bicubic resize of
 the shortest side, center crop) and then `transforms.normalize`. Every eval step has one shape, so the towers
@@ -6,60 +7,12 @@ compile once per set: short batches are padded with zero rows, and classificatio
 real ones.
 """
 
-import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import grain
 import numpy as np
-from PIL import Image
 
-from clip_jax.data import transforms
-
-
-def eval_image(image: "bytes | np.ndarray", image_size: int) -> np.ndarray:
-    """OpenCLIP's eval transform of encoded bytes or a uint8 array [H, W(, 3)]: RGB, bicubic shortest-side resize,
-    center crop -> uint8 [S, S, 3]. Bytes that do not decode raise `transforms.ImageDecodeError`."""
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        pil = transforms.decode_rgb(bytes(image))
-    else:
-        pil = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
-    return transforms.eval_crop(pil, image_size)
-
-
-def pad_rows(rows: np.ndarray, size: int, fill=0) -> np.ndarray:
-    """`rows` [n, ...] followed by `size - n` rows of `fill`: [max(n, size), ...]."""
-    pad = size - len(rows)
-    if pad <= 0:
-        return rows
-    return np.concatenate([rows, np.full((pad, *rows.shape[1:]), fill, rows.dtype)])
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalItem:
-    """A classification item `{"image": bytes or uint8 array, "label": int}` -> `{"image": uint8 [S, S, 3],
-    "label": int32}`; a picklable class so Grain can run it in its threads."""
-
-    image_size: int
-
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"image": eval_image(item["image"], self.image_size), "label": np.int32(item["label"])}
-
-
-@dataclasses.dataclass(frozen=True)
-class PaddedCollate:
-    """Stacks up to `batch_size` items, normalised, padded to `batch_size`: `{"images": float32 [B, S, S, 3],
-    "labels": int32 [B] (-1 for padding), "valid": bool [B]}`."""
-
-    batch_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-        images = transforms.normalize(np.stack([item["image"] for item in items]), self.mean, self.std)
-        labels = np.asarray([item["label"] for item in items], np.int32)
-        return {"images": pad_rows(images, self.batch_size), "labels": pad_rows(labels, self.batch_size, -1),
-                "valid": np.arange(self.batch_size) < len(items)}
+from clip_jax.data.classification import EvalItem, PaddedCollate, eval_image, pad_rows  # noqa: F401 - also ours
 
 
 def classification_batches(source, *, batch_size: int, image_size: int, mean: Sequence[float],

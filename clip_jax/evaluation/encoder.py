@@ -77,7 +77,7 @@ class ShardedEncoder:
         if is_resnet(self.model.config) and "batch_stats" not in as_variables(params):
             raise InvalidInput(f"{self.model.config.name}: a ResNet image tower evaluates with its BatchNorm running "
                                "statistics: give the variables {'params': ..., 'batch_stats': ...} (e.g. "
-                               "clip_jax.runtime.checkpoints.read_variables, "
+                               "clip_jax.runtime.run_directory.read_variables, "
                                "clip_jax.interop.opener.load_pretrained_variables), "
                                "not its params alone")
         return replicate(params, self.mesh)

@@ -35,6 +35,7 @@ from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.runtime import ownership, storage, xla_gpu
+from clip_jax.runtime.run_directory import CHECKPOINTS
 
 
 def preprocess_cfg(image_size: int, mean, std) -> dict:
@@ -87,7 +88,7 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
         run_dir = run_directory(source) if isinstance(model_source(source), (RunDirectory, CheckpointFolder)) else None
         if run_dir is None:
             raise InvalidInput(f"--step names a checkpoint of a run; {source} is not a run directory")
-        source = storage.join(run_dir, "checkpoints", str(step))
+        source = storage.join(run_dir, CHECKPOINTS, str(step))
         if not storage.isdir(source):
             raise MissingInput(f"no checkpoint of step {step}: {source} does not exist")
     opened = open_model(source, model)

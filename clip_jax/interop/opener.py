@@ -31,9 +31,8 @@ from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import storage
-
-RUN_CONFIG = "config.json"  # the training config the trainer writes into its run directory
-CHECKPOINTS = "checkpoints"
+from clip_jax.runtime.run_directory import CHECKPOINTS
+from clip_jax.runtime.run_directory import CONFIG as RUN_CONFIG
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 _STEP = re.compile(r"\d+")
 

@@ -18,8 +18,8 @@ import os
 import uuid
 
 from clip_jax.errors import InvalidInput, MissingExtra, require_extra
+from clip_jax.runtime.run_directory import WANDB_RUN_ID as RUN_ID_FILE
 
-RUN_ID_FILE = "wandb_run_id"
 # W&B's own rule for project names (its settings refuse these at wandb.init, after the run has started).
 PROJECT_FORBIDDEN = "/\\#?%:"
 PROJECT_MAX_LENGTH = 128

@@ -12,15 +12,17 @@ from collections.abc import Mapping
 
 class MetricsWindow:
     """The train step's scalars over one logging window, summed on the host (in float64) as each step is read:
-    `loss`, `accuracy`, `logit_scale` and `grad_norm` averaged over the window's finite steps, `learning_rate` that
-    of the last finite step. A skipped (non-finite) step is left out: its loss would only turn the averages into NaN.
+    those named `averaged` (CLIP pretraining's `loss`, `accuracy`, `logit_scale` and `grad_norm` by default) averaged
+    over the window's finite steps, `learning_rate` that of the last finite step. A skipped (non-finite) step is left
+    out: its loss would only turn the averages into NaN.
     """
 
     AVERAGED = ("loss", "accuracy", "logit_scale", "grad_norm")
 
-    def __init__(self):
+    def __init__(self, averaged: tuple[str, ...] = AVERAGED):
+        self.averaged = tuple(averaged)
         self.finite_steps = 0
-        self._sums = dict.fromkeys(self.AVERAGED, 0.0)
+        self._sums = dict.fromkeys(self.averaged, 0.0)
         self._learning_rate = math.nan
 
     def add(self, scalars: Mapping[str, float]) -> None:
@@ -28,7 +30,7 @@ class MetricsWindow:
         if not scalars["finite"]:
             return
         self.finite_steps += 1
-        for name in self.AVERAGED:
+        for name in self.averaged:
             self._sums[name] += float(scalars[name])
         self._learning_rate = float(scalars["learning_rate"])
 
@@ -37,12 +39,12 @@ class MetricsWindow:
         return {"finite_steps": self.finite_steps, "sums": dict(self._sums), "learning_rate": self._learning_rate}
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "MetricsWindow":
-        """The window `state` describes (a new one for None, or a state of another version's fields)."""
-        window = cls()
-        if state and set(state.get("sums", ())) == set(cls.AVERAGED):
+    def from_state(cls, state: dict | None, averaged: tuple[str, ...] = AVERAGED) -> "MetricsWindow":
+        """The window `state` describes (a new one for None, or a state of other fields)."""
+        window = cls(averaged)
+        if state and set(state.get("sums", ())) == set(window.averaged):
             window.finite_steps = int(state["finite_steps"])
-            window._sums = {name: float(state["sums"][name]) for name in cls.AVERAGED}
+            window._sums = {name: float(state["sums"][name]) for name in window.averaged}
             window._learning_rate = float(state["learning_rate"])
         return window
 
@@ -98,13 +100,18 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s"
 
 
+# (scalar, label, format) of the scalars a progress line shows after the loss, those the run logs
+PROGRESS_ACCURACIES = (("accuracy", "pair acc", ".3f"), ("logit_scale", "scale", ".2f"), ("train_acc1", "acc", ".3f"))
+
+
 def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, float]) -> str:
     """One line a person reads: where the run is, how it learns, how fast it goes."""
-    parts = [f"step {step}/{total_steps}", f"epoch {epoch:.2f}",
-             f"loss {scalars['loss']:.4f}", f"pair acc {scalars['accuracy']:.3f}",
-             f"scale {scalars['logit_scale']:.2f}", f"lr {scalars['learning_rate']:.3g}",
-             f"gnorm {scalars['grad_norm']:.3g}",
-             f"{scalars['samples_per_sec']:,.0f} samples/s ({scalars['samples_per_sec_per_device']:,.1f}/device)"]
+    parts = [f"step {step}/{total_steps}", f"epoch {epoch:.2f}", f"loss {scalars['loss']:.4f}"]
+    for name, label, form in PROGRESS_ACCURACIES:  # the task's own: CLIP's pair accuracy and scale, a classifier's
+        if name in scalars:
+            parts.append(f"{label} {scalars[name]:{form}}")
+    parts += [f"lr {scalars['learning_rate']:.3g}", f"gnorm {scalars['grad_norm']:.3g}",
+              f"{scalars['samples_per_sec']:,.0f} samples/s ({scalars['samples_per_sec_per_device']:,.1f}/device)"]
     if scalars.get("mfu") is not None:
         parts.append(f"MFU {100 * scalars['mfu']:.1f}%")
     parts.append(f"data wait {100 * scalars['data_wait_fraction']:.0f}%")

@@ -56,6 +56,7 @@ class CheckpointMeta:
     # stop), and the sample filters the saved data position read under
     log_window: dict | None = None
     data_filter: dict | None = None
+    task: str | None = None  # what the run trained ("pretraining", "fine-tuning": clip_jax.training.task)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -241,30 +242,6 @@ def check_state_matches(directory: str, step: int, abstract_state) -> None:
         + ". Set --config.model to the checkpoint's model, or resume from a checkpoint of this model.")
 
 
-def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:
-    """(checkpoints directory, step) that `resume` names: "latest" is the newest checkpoint of this run (None when
-    there is none: the run starts fresh, so one command both starts and continues a preemptible job); a run
-    directory means its newest checkpoint; `.../checkpoints/STEP` that step."""
-    if resume == "latest":
-        directory = storage.join(run_dir, "checkpoints")
-        return directory, latest_complete_step(directory)
-    path = storage.absolute(resume)
-    if not storage.exists(path):
-        raise CheckpointNotFoundError(f"resume={resume!r} does not exist")
-    name = storage.basename(path)
-    if re.fullmatch(r"\d+", name) and storage.isdir(storage.join(path, STATE)):
-        if not is_complete(storage.dirname(path), name):
-            raise CheckpointNotFoundError(f"resume={resume!r}: that checkpoint was never completed (its save was "
-                                          f"interrupted: no {storage.COMMIT_FILE}); resume from an earlier step")
-        return storage.dirname(path), int(name)
-    checkpoints = storage.join(path, "checkpoints")
-    directory = checkpoints if storage.isdir(checkpoints) else path
-    step = latest_complete_step(directory)
-    if step is None:
-        raise CheckpointNotFoundError(f"resume={resume!r}: no complete checkpoint in {directory}")
-    return directory, step
-
-
 def latest_complete_step(directory: str) -> int | None:
     """The newest complete step under `directory`: on disk Orbax's temporary folders of unfinished saves are not
     steps; on a bucket a step folder without its commit file is an unfinished save."""
@@ -280,22 +257,10 @@ def is_complete(directory: str, name: str) -> bool:
     return storage.isdir(storage.join(step_dir, STATE))
 
 
-def read_params(path: str) -> dict:
-    """Host (numpy, float32) params from a run directory (its newest checkpoint), its `checkpoints` folder, or one
-    step folder `.../checkpoints/STEP`: what evaluation needs, on any number of devices. A ResNet image tower also
-    needs its BatchNorm statistics: `read_variables`."""
-    return read_variables(path)["params"]
-
-
-def read_variables(path: str) -> dict:
-    """Host variables from a run (`path` as for `read_params`): `{"params": ...}`, and `"batch_stats"` (float
-    statistics float32, `num_batches_tracked` int32) when the run's image tower is a ResNet; what `model.apply`
-    takes in eval mode."""
-    return read_step_variables(*resolve_resume(path, run_dir=path))
-
-
 def read_step_variables(directory: str, step: int) -> dict:
-    """Host variables (as `read_variables`) of checkpoint `step` under the checkpoints folder `directory`."""
+    """Host variables of checkpoint `step` under the checkpoints folder `directory`: `{"params": ...}`, and
+    `"batch_stats"` (float statistics float32, `num_batches_tracked` int32) when the run's image tower is a ResNet;
+    what `model.apply` takes in eval mode (`run_directory.read_variables` reads them from a run's path)."""
     import numpy as np
 
     storage.prepare_for_orbax(directory)

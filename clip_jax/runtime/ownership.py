@@ -9,7 +9,7 @@ as clip_jax's, and a clean-up (`remove`) deletes only what the manifest names.
 
 Names that begin with `.clip_jax` (the manifest, locks, staging folders) are clip_jax's by their name. A run
 directory written before manifests existed is recognised by its `config.json` (a clip_jax run config): the entries
-a run writes count as clip_jax's there.
+a run writes count as clip_jax's there (`clip_jax.runtime.run_directory`, which knows the layout).
 
 Folders may be local or on a bucket (`clip_jax.runtime.storage`). One process writes a folder's manifest at a time: the
 shard writers that several processes call hold the folder's lock, and a run's manifest is written by process 0.
@@ -24,9 +24,6 @@ from clip_jax.runtime import storage
 
 MANIFEST = ".clip_jax-written"
 OWN_PREFIX = ".clip_jax"  # names clip_jax's by their name: the manifest, locks, staging folders
-# What a run directory holds (clip_jax.train, report, W&B): what a run written before manifests may have there.
-RUN_ENTRIES = ("config.json", "checkpoints", "metrics.jsonl", "tensorboard", "wandb", "wandb_run_id", "report.png")
-_RUN_CONFIG_KEYS = {"model", "train_data", "logs", "make_train_data"}
 _NAMED_AT_MOST = 5
 
 
@@ -45,9 +42,7 @@ def owned_names(folder: str) -> set[str]:
             raise InvalidInput(f"{manifest} (clip_jax's record of the files it wrote there) cannot be read: {e}; "
                                "delete it only if nothing in that folder is clip_jax's") from e
         return set(names)
-    if _is_old_run_directory(folder):
-        return set(RUN_ENTRIES)
-    return set()
+    return set(_older_run_entries(folder))
 
 
 def foreign_names(folder: str, names: Iterable[str] | None = None) -> list[str]:
@@ -76,8 +71,8 @@ def record(folder: str, names: Iterable[str]) -> None:
     names = {name for name in names if not name.startswith(OWN_PREFIX)}
     manifest = storage.join(folder, MANIFEST)
     recorded = set(json.loads(storage.read_text(manifest))["names"]) if storage.isfile(manifest) else set()
-    if not recorded and _is_old_run_directory(folder):
-        recorded = {name for name in RUN_ENTRIES if storage.exists(storage.join(folder, name))}
+    if not recorded:
+        recorded = {name for name in _older_run_entries(folder) if storage.exists(storage.join(folder, name))}
     if names <= recorded and recorded:
         return
     text = json.dumps({"written_by": "clip_jax", "names": sorted(recorded | names)}, indent=1) + "\n"
@@ -120,13 +115,8 @@ def remove(folder: str, name: str) -> None:
         target.unlink()
 
 
-def _is_old_run_directory(folder: str) -> bool:
-    """A run directory written before manifests: its `config.json` is a clip_jax run config."""
-    config = storage.join(folder, "config.json")
-    if not storage.isfile(config):
-        return False
-    try:
-        fields = json.loads(storage.read_text(config))
-    except (OSError, ValueError):
-        return False
-    return isinstance(fields, dict) and _RUN_CONFIG_KEYS <= set(fields)
+def _older_run_entries(folder: str) -> tuple[str, ...]:
+    """The entries a run writes, when `folder` is a run directory written before manifests; else none."""
+    from clip_jax.runtime import run_directory
+
+    return run_directory.RUN_ENTRIES if run_directory.written_before_manifests(folder) else ()

@@ -345,11 +345,10 @@ class StagedOutputs:
     For a local run directory that is the run directory itself, and `sync` does nothing. For a bucket it is a
     staging folder (under $TMPDIR) whose files `sync` uploads whole when they changed: the trainer syncs at every
     checkpoint save and at exit, so a crash loses at most the metrics written since the last save. The run's
-    earlier metrics.jsonl and W&B run id are downloaded first, so a resumed run appends to its own history."""
+    earlier appended files (`carried`: its metrics and W&B run id) are downloaded first, so a resumed run appends to
+    its own history."""
 
-    CARRIED = ("metrics.jsonl", "wandb_run_id")
-
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, carried: tuple[str, ...] = ()):
         self.run_dir = run_dir
         self.remote = is_remote(run_dir)
         self._uploaded: dict[str, tuple[int, int]] = {}
@@ -357,7 +356,7 @@ class StagedOutputs:
             self.local_dir = run_dir
             return
         self.local_dir = tempfile.mkdtemp(prefix="clip_jax-run-")
-        for name in self.CARRIED:
+        for name in carried:
             source = join(run_dir, name)
             if isfile(source):
                 with open(os.path.join(self.local_dir, name), "w") as f:

@@ -104,44 +104,45 @@ def _values(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
+def configured(config, loss_batch_size: int) -> list[Scheduled]:
+    """The evaluations a pretraining config asks for. The validation set is read now, so a bad one stops the run
+    before it trains; every evaluator (the zero-shot set, its prompts, compiled towers) at its first use."""
+    c, found = config, []
+    if c.zeroshot_data:
+        found.append(Scheduled(ZEROSHOT, c.zeroshot_frequency, lambda s: open_zeroshot_evaluator(c, s.mesh, s),
+                               prefix=RESULT_PREFIX[ZEROSHOT], record=_zeroshot_recorded,
+                               line=lambda ev, r, step: f"zero-shot on {ev.name} at step {step}: " + _values(r)))
+    if c.val_data:
+        from clip_jax.evaluation.validation import ValidationEvaluator, open_validation_set
+
+        val_set = open_validation_set(c.val_data, c.val_num_samples)
+        found.append(Scheduled(
+            VALIDATION, c.val_frequency,
+            lambda s: ValidationEvaluator(s, val_set, loss_batch_size=loss_batch_size, loss=c.loss),
+            prefix=RESULT_PREFIX[VALIDATION],
+            record=lambda m: {f"val_{k}": float(v) for k, v in m.items() if k != "num_images"},
+            line=lambda ev, r, step: f"validation on {val_set.num_images} images at step {step}: " + _values(r)))
+    if c.linear_probe_data:
+        found.append(Scheduled(LINEAR_PROBE, c.linear_probe_frequency, lambda s: open_linear_probe(c, s),
+                               prefix=RESULT_PREFIX[LINEAR_PROBE], record=dict, line=_probe_line))
+    return found
+
+
 class Evaluations:
-    """The run's evaluations; `say` prints a result line (process 0's console). The validation set is read now, so
-    a bad one stops the run before it trains; every evaluator (the zero-shot set, its prompts, compiled towers) at
-    its first use. `extra`: evaluators the caller adds, after the config's."""
+    """A run's evaluations (`scheduled`), made at their first use from the `EvalSetting` that `setting()` makes
+    (once); `say` prints a result line (process 0's console)."""
 
-    def __init__(self, config, mesh, *, steps_per_epoch: int, total_steps: int, loss_batch_size: int,
-                 say: Callable[[str], None], extra: Sequence[Scheduled] = ()):
-        self.config, self.mesh, self.say = config, mesh, say
-        self.steps_per_epoch, self.total_steps, self.loss_batch_size = steps_per_epoch, total_steps, loss_batch_size
-        self.val_set = None
-        if config.val_data:
-            from clip_jax.evaluation.validation import open_validation_set
-
-            self.val_set = open_validation_set(config.val_data, config.val_num_samples)
-        self.scheduled = {s.name: s for s in (*self._configured(), *extra)}
+    def __init__(self, scheduled: Sequence[Scheduled], setting: Callable[[], EvalSetting], *, steps_per_epoch: int,
+                 total_steps: int, say: Callable[[str], None]):
+        self.say, self.steps_per_epoch, self.total_steps = say, steps_per_epoch, total_steps
+        self.scheduled = {s.name: s for s in scheduled}
         self.evaluators: dict[str, Evaluator] = {}  # made at first use
-        self._setting = None
-
-    def _configured(self) -> list[Scheduled]:
-        c = self.config
-        found = []
-        if c.zeroshot_data:
-            found.append(Scheduled(ZEROSHOT, c.zeroshot_frequency, lambda s: open_zeroshot_evaluator(c, s.mesh, s),
-                                   prefix=RESULT_PREFIX[ZEROSHOT], record=_zeroshot_recorded,
-                                   line=lambda ev, r, step: f"zero-shot on {ev.name} at step {step}: " + _values(r)))
-        if self.val_set is not None:
-            found.append(Scheduled(VALIDATION, c.val_frequency, self._open_validation, prefix=RESULT_PREFIX[VALIDATION],
-                                   record=lambda m: {f"val_{k}": float(v) for k, v in m.items() if k != "num_images"},
-                                   line=self._validation_line))
-        if c.linear_probe_data:
-            found.append(Scheduled(LINEAR_PROBE, c.linear_probe_frequency, self._open_linear_probe,
-                                   prefix=RESULT_PREFIX[LINEAR_PROBE], record=dict, line=_probe_line))
-        return found
+        self._make_setting, self._setting = setting, None
 
     @property
     def setting(self) -> EvalSetting:
         if self._setting is None:
-            self._setting = eval_setting(self.config, self.mesh)
+            self._setting = self._make_setting()
         return self._setting
 
     @property
@@ -208,27 +209,19 @@ class Evaluations:
         return owed
 
 
-    def _open_validation(self, setting: EvalSetting) -> Evaluator:
-        from clip_jax.evaluation.validation import ValidationEvaluator
+def open_linear_probe(config, setting: EvalSetting) -> Evaluator:
+    """CLIP_benchmark's linear probe of `linear_probe_data` (see the module docstring); its splits are scanned now,
+    at the first probe."""
+    from clip_jax.evaluation import clip_benchmark
+    from clip_jax.evaluation.benchmark import LinearProbeEvaluator
+    from clip_jax.evaluation.linear_probe import ProbeOptions
 
-        return ValidationEvaluator(setting, self.val_set, loss_batch_size=self.loss_batch_size, loss=self.config.loss)
-
-    def _validation_line(self, evaluator, recorded: dict, step: int) -> str:
-        return f"validation on {self.val_set.num_images} images at step {step}: " + _values(recorded)
-
-    def _open_linear_probe(self, setting: EvalSetting) -> Evaluator:
-        """CLIP_benchmark's linear probe of `linear_probe_data` (see the module docstring); its splits are scanned
-        now, at the first probe."""
-        from clip_jax.evaluation import clip_benchmark
-        from clip_jax.evaluation.benchmark import LinearProbeEvaluator
-        from clip_jax.evaluation.linear_probe import ProbeOptions
-
-        root = self.config.linear_probe_data
-        train, test = (clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split,
-                                                                                       needed_by="the linear probe"))
-                       for split in ("train", "test"))
-        return LinearProbeEvaluator(setting, train, test, val_proportion=PROBE_VAL_PROPORTION,
-                                    options=ProbeOptions(seed=self.config.seed))
+    root = config.linear_probe_data
+    train, test = (clip_benchmark.open_dataset(clip_benchmark.check_training_layout(root, split,
+                                                                                   needed_by="the linear probe"))
+                   for split in ("train", "test"))
+    return LinearProbeEvaluator(setting, train, test, val_proportion=PROBE_VAL_PROPORTION,
+                                options=ProbeOptions(seed=config.seed))
 
 
 def _zeroshot_recorded(metrics: dict) -> dict[str, float]:

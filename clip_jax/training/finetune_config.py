@@ -10,7 +10,8 @@ import ml_collections
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.evaluation.shifts import SHIFTS
 from clip_jax.interop.opener import did_you_mean
-from clip_jax.training.config_checks import report_to_problems
+from clip_jax.run_config import instability_fields
+from clip_jax.training.config_checks import INSTABILITY_ACTIONS, choice_problems, report_to_problems
 
 HEAD_INITS = ("zeroshot", "linear_probe")
 MAKE_DATA = ("", "fashion-mnist")
@@ -69,6 +70,7 @@ def default_finetune_config() -> ml_collections.ConfigDict:
     c.keep = 2
     c.log_every_n_steps = 10
     c.report_to = "tensorboard"
+    instability_fields(c)  # a non-finite step's update is skipped; so many in a row roll back, as pretraining's
     c.seed = 0
     return c
 
@@ -82,7 +84,8 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
     elif not os.path.exists(c.pretrained):
         problems.append(f"pretrained={c.pretrained!r} does not exist{did_you_mean(c.pretrained)}" + (
             " (train the demo first: python -m clip_jax.train --config configs/demo.py)"
-            if c.pretrained.rstrip("/").endswith("logs/demo") else ""))
+            if c.pretrained.rstrip("/").endswith("logs/demo") else
+            ": give the run directory of a finished training run, an exported folder or a weights file (with model)"))
     if c.make_data not in MAKE_DATA:
         problems.append(f"make_data={c.make_data!r}: choose one of {MAKE_DATA}")
     if not c.data:
@@ -94,11 +97,11 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
                      for p in split_problems("shift_data", c.shift_data, (c.test_split,))]
     if c.head_init not in HEAD_INITS:
         problems.append(f"head_init={c.head_init!r}: choose one of {HEAD_INITS}")
-    for field in ("batch_size", "epochs", "keep", "log_every_n_steps"):
+    for field in ("batch_size", "epochs", "keep", "log_every_n_steps", "nan_patience"):
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "lr", "wd", "grad_clip_norm", "train_samples", "test_samples", "save_every_steps",
-                  "workers"):
+                  "workers", "loss_spike_factor"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     if not 0 < c.layer_decay <= 1:
@@ -115,6 +118,7 @@ def check_finetune_config(c: ml_collections.ConfigDict) -> None:
     if not c.name:
         problems.append("name is empty: the run directory is logs/NAME")
     problems += report_to_problems(c)
+    problems += choice_problems(c, (("on_instability", INSTABILITY_ACTIONS),))
     if problems:
         raise InvalidInput("bad config: " + problems[0] if len(problems) == 1 else
                            "bad config:\n  " + "\n  ".join(problems))

@@ -1,10 +1,12 @@
 """Where a run starts, decided before anything is built: its directory, the checkpoint it continues (if any), that
-checkpoint's record, and how the data iterators begin (`RunStart`, from `plan_run_start`).
+checkpoint's record, and how the data iterators begin (`RunStart`, from `plan_run_start`), for the run's task
+(`clip_jax.training.task`): a checkpoint another task saved is refused in one line.
 
 Everything here reads files and the config only (no devices, no Orbax manager; the one collective, the clock that
 names an unnamed run, is handed in), so a refused resume costs nothing and writes nothing. On another data layout
 (process count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed`
-then restores the train state only and reads on with new data iterators (see `data_resume_plan`).
+then restores the train state only and reads on with new data iterators (see `data_resume_plan`). A task whose data position is a function of the step (`Task.data_by_step`) saves none and
+reads on from the step it resumes at, whatever the layout.
 """
 
 import dataclasses
@@ -18,11 +20,12 @@ import numpy as np
 
 from clip_jax import cli
 from clip_jax.errors import InvalidInput, RunFailed, UserError
-from clip_jax.run_config import default_config
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import storage
 from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta,
-                                          resolve_resume, saved_process_count)
+                                          saved_process_count)
+from clip_jax.runtime.run_directory import CHECKPOINTS, CONFIG, METRICS, RunDirectory, reported_entries, resolve_resume
 from clip_jax.training.config_checks import report_targets
+from clip_jax.training.task import COMMANDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,40 +41,56 @@ class DataResume:
 class RunStart:
     """A run's starting point. `resume_from` is (checkpoints directory, step), None for a fresh start."""
 
-    run_dir: str
+    directory: RunDirectory  # made before anything is written (it notes the folders it makes)
     resume_from: tuple[str, int] | None
     meta: CheckpointMeta | None  # the record saved with that checkpoint
     data: DataResume
     notes: tuple[str, ...] = ()  # what the user is told before training
 
     @property
-    def checkpoints_dir(self) -> str:
-        return storage.join(self.run_dir, "checkpoints")
+    def run_dir(self) -> str:
+        return self.directory.path
+
+    @property
+    def step(self) -> int:
+        """The step the run starts at (before its state is restored)."""
+        return 0 if self.resume_from is None else self.resume_from[1]
 
 
-def plan_run_start(config, *, process_count: int, now: Callable[[], int]) -> RunStart:
-    """The run directory, the checkpoint `config.resume` names and the data-resume plan; a ValueError (or
-    `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as configured. A
-    run directory holding files of the names a run writes that clip_jax did not write is refused
+def plan_run_start(config, task, *, process_count: int, now: Callable[[], int]) -> RunStart:
+    """The run directory, the checkpoint `config.resume` names and the data-resume plan of a run of `task`; a
+    ValueError (or `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as
+    configured. A run directory holding files of the names a run writes that clip_jax did not write is refused
     (`ownership.ForeignFiles`). `now()`: the time that names a run without a name (see `run_name`)."""
-    run_dir = storage.absolute(storage.join(config.logs, run_name(config, now)))
-    ownership.refuse_foreign(run_dir, ownership.RUN_ENTRIES, writing=f"the run {storage.basename(run_dir)!r}",
-                             change="give the run another --config.name, or another --config.logs")
-    checkpoints = storage.join(run_dir, "checkpoints")
+    directory = RunDirectory(storage.absolute(storage.join(config.logs, run_name(config, now))), task.entries)
+    directory.refuse_foreign(writing=f"the {task.noun} {directory.name!r}")
     if not config.resume:
-        if latest_complete_step(checkpoints) is not None:
-            raise InvalidInput(f"run directory {run_dir} already has checkpoints: continue it with "
+        if latest_complete_step(directory.checkpoints) is not None:
+            raise InvalidInput(f"run directory {directory.path} already has checkpoints: continue it with "
                                "--config.resume=latest, or start another run with --config.name=...")
-        return RunStart(run_dir, None, None, DataResume(False, config.seed))
-    directory, step = resolve_resume(config.resume, run_dir)
+        return RunStart(directory, None, None, DataResume(False, config.seed))
+    checkpoints, step = resolve_resume(config.resume, directory.path)
     if step is None:  # resume=latest with no checkpoint yet
-        return RunStart(run_dir, None, None, DataResume(False, config.seed),
-                        (f"no checkpoint in {run_dir} yet: starting fresh",))
-    meta = read_meta(directory, step)
-    data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(directory, step)),
-                            where=f"{directory}/{step}", step=step, process_count=process_count)
-    notes = (data.note, filter_change_note(config, meta, f"{directory}/{step}"))
-    return RunStart(run_dir, (directory, step), meta, data, tuple(note for note in notes if note))
+        return RunStart(directory, None, None, DataResume(False, config.seed),
+                        (f"no checkpoint in {directory.path} yet: starting fresh",))
+    meta, where = read_meta(checkpoints, step), f"{checkpoints}/{step}"
+    check_saved_task(task, meta, where)
+    if task.data_by_step:
+        return RunStart(directory, (checkpoints, step), meta, DataResume(False, config.seed))
+    data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(checkpoints, step)),
+                            where=where, step=step, process_count=process_count)
+    notes = (data.note, filter_change_note(config, meta, where))
+    return RunStart(directory, (checkpoints, step), meta, data, tuple(note for note in notes if note))
+
+
+def check_saved_task(task, meta: CheckpointMeta | None, where: str) -> None:
+    """An InvalidInput naming the command to use when checkpoint `where` was saved by a run of another task (a
+    checkpoint that predates the record is not checked: its state's shapes are)."""
+    saved = meta.task if meta is not None else None
+    if saved is not None and saved != task.name:
+        command = COMMANDS.get(saved, "the command that saved it")
+        raise InvalidInput(f"checkpoint {where} was saved by a {saved} run, this is a {task.name} run: continue it "
+                           f"with {command}, or give this run another --config.name")
 
 
 DATA_FILTER_FIELDS = ("train_data_filter", "train_data_min_image_size", "train_data_min_caption_chars",
@@ -153,40 +172,8 @@ def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int |
 
 
 def run_entries(config) -> list[str]:
-    """What a run writes into its directory (`ownership.RUN_ENTRIES` are all a run may hold)."""
-    targets = report_targets(config.report_to)
-    return (["config.json", "checkpoints", "metrics.jsonl"] + (["tensorboard"] if "tensorboard" in targets else [])
-            + (["wandb", "wandb_run_id"] if "wandb" in targets else []))
-
-
-class NewRunDirectory:
-    """The folders on disk a run makes for its directory (the run directory and its parents that do not exist yet),
-    noted before it writes anything. A run that fails before it has anything to show (no complete checkpoint, no
-    metrics) takes back what it wrote there (`remove_if_unused`): the entries of the run directory's manifest, the
-    manifest, then each of those folders that is left empty. Anything else in them, or a folder that was there
-    before, stays as it is; on a bucket (no empty folders) nothing is noted."""
-
-    def __init__(self, run_dir: str):
-        self.run_dir, self.made = run_dir, []
-        folder = run_dir
-        while not storage.is_remote(folder) and not os.path.lexists(folder):
-            self.made.append(folder)
-            folder = os.path.dirname(folder)
-
-    def remove_if_unused(self) -> None:
-        if not self.made or not os.path.isdir(self.run_dir):
-            return
-        if (latest_complete_step(storage.join(self.run_dir, "checkpoints")) is not None
-                or os.path.exists(os.path.join(self.run_dir, "metrics.jsonl"))):
-            return
-        present = set(storage.listdir(self.run_dir))
-        for name in sorted(ownership.owned_names(self.run_dir) & present):
-            ownership.remove(self.run_dir, name)
-        if ownership.MANIFEST in present and not ownership.foreign_names(self.run_dir):
-            ownership.remove(self.run_dir, ownership.MANIFEST)
-        for folder in self.made:  # deepest first
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
+    """What a run writes into its directory (`run_directory.RUN_ENTRIES` are all a pretraining run may hold)."""
+    return [CONFIG, CHECKPOINTS, METRICS] + reported_entries(report_targets(config.report_to))
 
 
 def check_run_locations(config) -> None:
@@ -229,14 +216,15 @@ def check_local_logs(config, probe: str) -> None:
                            "--config.logs a folder you can write to")
 
 
-def unread_saved_fields(run_dir: str) -> str | None:
-    """A line naming the fields the run's earlier `config.json` set that no config has (a misspelling nobody read),
-    said on resume before the file is written anew from the resumed run's config; None when there are none."""
-    path = storage.join(run_dir, "config.json")
+def unread_saved_fields(run_dir: str, config) -> str | None:
+    """A line naming the fields the run's earlier `config.json` set that no config of its kind has (`config`: the
+    resumed run's; a misspelling nobody read), said on resume before the file is written anew from the resumed run's
+    config; None when there are none."""
+    path = storage.join(run_dir, CONFIG)
     try:
         saved = json.loads(storage.read_text(path)) if storage.exists(path) else None
     except ValueError:
         return None
-    unknown = cli.unknown_fields(saved, default_config()) if isinstance(saved, dict) else []
+    unknown = cli.unknown_fields(saved, config) if isinstance(saved, dict) else []
     return f"{path} set " + "; ".join(unknown) + ": it was never read, and this run's config replaces it" if unknown \
         else None

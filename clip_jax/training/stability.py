@@ -1,9 +1,31 @@
-"""When a run is unstable: too many non-finite steps in a row, or a loss spike above its recent mean."""
+"""When a run is unstable: too many non-finite steps in a row, or a loss spike above its recent mean
+(`InstabilityMonitor`), and where it goes back to then (`rollback_step`)."""
 
 import collections
 import math
 
-from clip_jax.errors import InvalidInput
+from clip_jax.errors import InvalidInput, RunFailed
+
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+
+
+class TrainingUnstable(RunFailed):
+    """The loss keeps diverging although the run rolled back to its last checkpoint."""
+
+
+def rollback_step(latest: int | None, action: str, reason: str, at_step: int, rollbacks_to: dict[int, int]) -> int:
+    """The checkpoint a run that saw `reason` at step `at_step` rolls back to: `latest`, counted in `rollbacks_to`
+    (checkpoint step -> rollbacks to it). `TrainingUnstable` when `on_instability` (`action`) says stop, when there
+    is no checkpoint yet, or after MAX_ROLLBACKS_TO_ONE_CHECKPOINT rollbacks to the same one."""
+    if action == "stop" or latest is None:
+        raise TrainingUnstable(f"{reason} at step {at_step}; " + ("stopping (on_instability='stop')" if latest is not None
+                                                                  else "no checkpoint to roll back to yet"))
+    if rollbacks_to.get(latest, 0) >= MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+        raise TrainingUnstable(f"{reason} at step {at_step}, after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} rollbacks to "
+                               f"checkpoint {latest}: stopping. Lower the learning rate, or resume under "
+                               "--config.precision=fp32")
+    rollbacks_to[latest] = rollbacks_to.get(latest, 0) + 1
+    return latest
 
 
 class InstabilityMonitor:

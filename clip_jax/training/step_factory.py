@@ -10,10 +10,11 @@ mesh, and the trainer, the planner, the benchmarks and the tests all run what it
     compiled = step.compile(per_device_batch=64)  # ahead of time from abstract inputs (XLA:GPU on GPU meshes)
 
 A spec is a frozen, hashable value: the planner keys its compiles on it and varies one field at a time with
-`dataclasses.replace`. The step function itself (`clip_jax.training.train_step.make_train_step`) stays pure; this module
-only assembles its parts: the model under the precision policy, remat and attention kernel; the optimizer and its
-learning-rate schedule; the train state's shapes and shardings (FSDP or replicated, said here explicitly, never
-guessed back from shardings).
+`dataclasses.replace`. The step function itself (`clip_jax.training.train_step.make_train_step`, or for a spec with a
+`ClassifierHead` the fine-tuning step of `clip_jax.training.classification_step`) stays pure; this module only
+assembles its parts: the model under the precision policy, remat and attention kernel; the optimizer and its
+learning-rate schedule (with layer-wise decay when asked); the train state's shapes and shardings (FSDP or
+replicated, said here explicitly, never guessed back from shardings).
 """
 
 import dataclasses
@@ -32,9 +33,11 @@ from clip_jax.models.config import as_trained
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
+from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
 from clip_jax.optim.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_size, state_shardings
+from clip_jax.training import classification_step
 from clip_jax.training.loss import LOSSES
 from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry
 from clip_jax.training.train_step import TrainState, init_train_state, make_forward, make_train_step
@@ -57,10 +60,19 @@ class OptimizerSpec:
     b2: float = 0.98
     eps: float = 1e-6
     grad_clip_norm: float | None = None  # None: no clipping
+    layer_decay: float = 1.0  # layer-wise learning-rate decay over the image tower (`optim.layer_decay`); 1: off
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise InvalidInput(f"optimizer {self.name!r}: choose one of {OPTIMIZERS}")
+
+    @classmethod
+    def from_config(cls, config, total_steps: int | None = None) -> "OptimizerSpec":
+        """The optimizer a run config says (pretraining's or fine-tuning's: `opt` and `layer_decay` where it has
+        them)."""
+        return cls(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup, total_steps=total_steps,
+                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
+                   grad_clip_norm=config.grad_clip_norm or None, layer_decay=config.get("layer_decay", 1.0))
 
     def learning_rate_fn(self) -> Callable:
         if self.total_steps is None:
@@ -73,6 +85,22 @@ class OptimizerSpec:
         return create_optimizer(learning_rate_fn, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
                                 eps=self.eps, grad_clip_norm=self.grad_clip_norm,
                                 stable=self.name == "stable_adamw")
+
+    def with_layer_decay(self, optimizer: optax.GradientTransformation, params, image_layers: int):
+        """`optimizer`, its updates then scaled by the layer multipliers of `params` (shapes are enough)."""
+        if self.layer_decay == 1:
+            return optimizer
+        return optax.chain(optimizer, scale_by_layer(lr_multipliers(params, self.layer_decay, image_layers)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierHead:
+    """A step that fine-tunes for classification (`training.classification_step`): the image tower and a linear
+    head of `classes` outputs trained with cross-entropy on labelled images, the text tower no part of it, and the
+    EMA of the trained weights (`ema_decay`; 0: the weights themselves) carried in the state."""
+
+    classes: int
+    ema_decay: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +131,7 @@ class StepSpec:
     lock: LockSpec = LockSpec()
     grad_reduce_dtype: str = "float32"  # gradients summed across devices in this dtype (see models.precision)
     residual_dtype: str = "compute"  # the residual stream's dtype: the compute dtype's, or "float32"
+    head: ClassifierHead | None = None  # a classification fine-tuning step; None: CLIP's contrastive step
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -122,6 +151,8 @@ class StepSpec:
             raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
         if is_resnet(self.model):
             _check_resnet_step(self)
+        if self.head is not None:
+            _check_classifier_step(self)
         if self.model != self._trained(self.model):
             raise InvalidInput(f"{self.model.name} is not the model this step trains (loss {self.loss!r}, "
                                f"patch_dropout {self.patch_dropout}): build the spec with StepSpec.for_model, which "
@@ -145,9 +176,7 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
-        optimizer = OptimizerSpec(config.opt, lr=config.lr, warmup=config.warmup,
-                                  total_steps=total_steps, weight_decay=config.wd, b1=config.beta1,
-                                  b2=config.beta2, eps=config.eps, grad_clip_norm=config.grad_clip_norm or None)
+        optimizer = OptimizerSpec.from_config(config, total_steps)
         force_patch_dropout = config.force_patch_dropout  # -1: the model config's rate
         return cls.for_model(config.model, precision, config.remat_policy if config.grad_checkpointing else "none",
                              choose_attention_impl(config.attention_impl, platform,
@@ -180,6 +209,16 @@ def _check_resnet_step(spec: StepSpec) -> None:
         raise InvalidInput(f"{spec.model.name}: patch_dropout={spec.patch_dropout} is a ViT option; a ResNet image "
                            "tower has no patches to drop: leave it out")
     check_resnet_lock(spec.lock)
+
+
+def _check_classifier_step(spec: StepSpec) -> None:
+    """What a classification fine-tuning step is not built with: a ResNet image tower (no layer-wise decay over it),
+    accumulation, locked towers, FSDP (its weights are replicated)."""
+    if is_resnet(spec.model):
+        raise InvalidInput(f"{spec.model.name}: fine-tuning with layer-wise learning-rate decay needs a ViT image "
+                           "tower; a ResNet tower is not supported")
+    if spec.accum_steps != 1 or spec.lock.any or spec.fsdp:
+        raise InvalidInput("a classification fine-tuning step takes no accum_steps, lock or fsdp: leave them out")
 
 
 def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
@@ -223,13 +262,18 @@ class Step:
 
     def init(self, seed: int | jax.Array) -> TrainState:
         """A fresh train state, initialised directly in its shardings: no device ever holds more than its part."""
+        if self.spec.head is not None:
+            raise InvalidInput("a classification fine-tuning step starts from pretrained weights: state_from_params")
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
         init = lambda rng: fresh_train_state(self.model, self.optimizer, rng)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(rng)
 
     def state_from_params(self, params, batch_stats=None) -> TrainState:
         """The train state of existing weights (fresh optimizer state, step 0), laid out on the mesh; a ResNet
-        image tower's also needs its BatchNorm statistics."""
+        image tower's also needs its BatchNorm statistics; a classifier step's are CLIP's with a `head`."""
+        if self.spec.head is not None:
+            init = lambda params: classification_step.init_state(params, self.optimizer)  # noqa: E731
+            return jax.jit(init, out_shardings=self.shardings)(params)
         if (batch_stats is None) != (self.abstract_state.batch_stats is None):
             raise InvalidInput(f"{self.spec.model.name}: batch_stats are needed exactly when the image tower is a "
                                "ResNet (its BatchNorm statistics)")
@@ -241,7 +285,10 @@ class Step:
         config = self.spec.model
         size, rows = config.vision.image_size, per_device_batch * data_parallel_size(self.mesh)
         sharding = batch_sharding(self.mesh)
-        return {"images": jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=sharding),
+        images = jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=sharding)
+        if self.spec.head is not None:
+            return {"images": images, "labels": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)}
+        return {"images": images,
                 "tokens": jax.ShapeDtypeStruct((rows, config.text.context_length), jnp.int32, sharding=sharding)}
 
     def compile(self, per_device_batch: int):
@@ -293,8 +340,12 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     """The model, optimizer, train-state layout and jitted step of `spec` on `mesh`."""
     model = spec.create_model()
     learning_rate_fn = spec.optimizer.learning_rate_fn()
-    optimizer = locked_optimizer(spec.optimizer.create(learning_rate_fn), spec.lock, spec.model.vision.layers,
-                                 spec.model.text.layers)
+    if spec.head is not None:
+        return _classifier_step(spec, mesh, model, learning_rate_fn)
+    optimizer = spec.optimizer.create(learning_rate_fn)
+    if spec.optimizer.layer_decay != 1:
+        optimizer = spec.optimizer.with_layer_decay(optimizer, param_shapes(model), spec.model.vision.layers)
+    optimizer = locked_optimizer(optimizer, spec.lock, spec.model.vision.layers, spec.model.text.layers)
     shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng), jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -307,4 +358,18 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
                      text_layers=spec.model.text.layers) if spec.lock.any else None
     update = make_train_step(spec, model, optimizer, learning_rate_fn, mesh, shardings, telemetry=telemetry,
                              freeze=freeze)
+    return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)
+
+
+def _classifier_step(spec: StepSpec, mesh: Mesh, model, learning_rate_fn: Callable) -> Step:
+    """`build_step` of a spec with a `ClassifierHead`: its params, optimizer and state replicated on `mesh`."""
+    params = classification_step.param_shapes(model, spec.head.classes)
+    optimizer = spec.optimizer.with_layer_decay(spec.optimizer.create(learning_rate_fn),
+                                                classification_step.trained(params), spec.model.vision.layers)
+    shapes = jax.eval_shape(lambda p: classification_step.init_state(p, optimizer), params)
+    shardings = state_shardings(shapes, mesh, fsdp=False)
+    abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                  shapes, shardings)
+    update = classification_step.make_classification_step(model, optimizer, learning_rate_fn, mesh, shardings,
+                                                           ema_decay=spec.head.ema_decay)
     return Step(spec, mesh, model, optimizer, learning_rate_fn, abstract_state, update)

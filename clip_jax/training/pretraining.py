@@ -1,0 +1,121 @@
+"""CLIP pretraining as a task of the run loop (`clip_jax.training.task`): image-caption shards through the Grain
+pipeline (`clip_jax.data`: its position saved with every checkpoint, so a resumed run reads on exactly), the
+contrastive step (the softmax or sigmoid loss) from `build_step`, the config's evaluations (zero-shot, validation,
+the linear probe) and MFU in its log lines. Configs: `clip_jax.run_config`, `configs/demo.py`.
+"""
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from clip_jax import data
+from clip_jax.models.flops import train_flops
+from clip_jax.models.precision import check_fp8
+from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
+from clip_jax.runtime.run_directory import RUN_ENTRIES
+from clip_jax.training.config_checks import check_config
+from clip_jax.training.evaluations import Evaluations, Scheduled, configured, eval_setting
+from clip_jax.training.remat_choice import step_spec
+from clip_jax.training.run_setup import check_run_locations, data_filter_settings, run_entries
+from clip_jax.training.schedule import make_schedule
+from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
+
+
+class ClipPretraining:
+    """CLIP pretraining of `config` (`clip_jax.run_config`); `evaluators`: evaluations to make besides the
+    config's."""
+
+    name, noun = "pretraining", "run"
+    entries = RUN_ENTRIES
+    data_by_step = False
+    averaged = ("loss", "accuracy", "logit_scale", "grad_norm")
+
+    def __init__(self, config, evaluators: Sequence[Scheduled] = ()):
+        self.config, self.extra_evaluators = config, tuple(evaluators)
+        self.shards = self.platform_spec = self.mesh = None
+
+    def check(self) -> None:
+        config = self.config
+        check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
+        check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
+        # so does a model file that cannot be read, before the demo's shards are written
+        self.platform_spec = StepSpec.from_config(config, platform=jax.devices()[0].platform)
+        check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
+
+    def written_entries(self) -> list[str]:
+        return run_entries(self.config)
+
+    def prepare_data(self, should_stop) -> None:
+        """The run's shards, resolved once (written first, for the demo): the epoch length and the pipeline read
+        the same shards."""
+        self.shards = data.resolve_train_shards(data.TrainDataConfig.from_run_config(self.config),
+                                                should_stop=should_stop)
+
+    def build(self, precision: str | None = None):
+        if self.mesh is None:
+            self.schedule = make_schedule(self.config, jax.device_count(), self.shards)
+            # an FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py)
+            self.mesh = mesh_for(self.platform_spec)
+        step = build_step(step_spec(self.config, self.schedule, self.mesh, precision=precision), self.mesh)
+        # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
+        self.flops_per_sample = train_flops(step.spec.model)
+        return self.schedule, self.mesh, step
+
+    def open_data(self, seed: int, start_step: int):
+        config, model = self.config, self.platform_spec.model
+        return data.build_train_iterator(
+            data.TrainDataConfig.from_run_config(config, seed=seed), shard_list=self.shards,
+            global_batch_size=self.schedule.global_batch, image_size=model.vision.image_size,
+            mean=tuple(config.image_mean), std=tuple(config.image_std), process_index=jax.process_index(),
+            process_count=jax.process_count(), context_length=model.text.context_length)
+
+    def fresh_state(self, step, say):
+        if not self.config.pretrained:
+            return step.init(self.config.seed)
+        return pretrained_state(step, self.config.pretrained, say)
+
+    def evaluations(self, mesh, schedule, say) -> Evaluations:
+        # every process: validation is a collective, and a bad validation set stops the run before it trains
+        return Evaluations([*configured(self.config, schedule.global_batch), *self.extra_evaluators],
+                           lambda: eval_setting(self.config, mesh), steps_per_epoch=schedule.steps_per_epoch,
+                           total_steps=schedule.total_steps, say=say)
+
+    def eval_weights(self, state):
+        """The state's params, with its BatchNorm running statistics for a ResNet image tower (evaluation runs in
+        eval mode)."""
+        from clip_jax.models.variables import eval_variables
+
+        return eval_variables(state.params, state.batch_stats)
+
+    def mfu(self, samples_per_sec: float, step) -> float | None:
+        peak = peak_flops(jax.devices()[0].device_kind, step.spec.precision, self.config.peak_tflops_per_device)
+        if not (peak and self.flops_per_sample):
+            return None
+        return samples_per_sec * self.flops_per_sample / (peak * jax.device_count())
+
+    def data_scalars(self, data_iter) -> dict:
+        return data.skip_scalars(data_iter.skipped_samples())
+
+    def meta_fields(self) -> dict:
+        return {"data_workers": self.config.workers, "data_filter": data_filter_settings(self.config)}
+
+    def details(self) -> str:
+        return ""
+
+    def finish(self, state, results: dict, say, record) -> dict:
+        return results
+
+
+def pretrained_state(step, path: str, say):
+    """A new run's state from pretrained weights: their params (fitted to this model, in its param dtypes) and,
+    for a ResNet image tower, their BatchNorm statistics; a fresh optimizer state, step 0."""
+    from clip_jax.interop.opener import open_model
+
+    variables = open_model(path, step.spec.model, what="pretrained").variables()
+    abstract = step.abstract_state
+    in_dtypes = lambda tree, like: jax.tree.map(lambda p, a: np.asarray(p, a.dtype), tree, like)  # noqa: E731
+    params = in_dtypes(variables["params"], abstract.params)
+    batch_stats = None if abstract.batch_stats is None else in_dtypes(variables["batch_stats"], abstract.batch_stats)
+    say(f"params{' and BatchNorm statistics' if batch_stats is not None else ''} from pretrained {path}")
+    return step.state_from_params(params, batch_stats)
