@@ -4,10 +4,13 @@
 Every eval image, whatever set it comes from, goes through `eval_image` (decode or convert to RGB, bicubic resize of
 the shortest side, center crop) and then `transforms.normalize`. Every eval step has one shape, so the towers
 compile once per set: short batches are padded with zero rows, and classification batches carry `valid` to mark the
-real ones.
+real ones. Sets read by index go through `classification_batches`; streamed ones (retrieval shards, read in order,
+perhaps from a bucket) through `streamed_batches`, which hands it a window of the stream at a time, and embed's
+samples (some skipped) through `decoded`, windows too: one path, Grain's threads decoding, for every eval image.
 """
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -17,14 +20,16 @@ from clip_jax.data.classification import EvalItem, PaddedCollate, eval_image, pa
 
 def classification_batches(source, *, batch_size: int, image_size: int, mean: Sequence[float],
                            std: Sequence[float], num_threads: int = 8, process_index: int = 0,
-                           process_count: int = 1, steps: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+                           process_count: int = 1, steps: int | None = None,
+                           item: Callable[[dict], dict] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Padded batches (see `PaddedCollate`) of items `process_index`, `process_index + process_count`, ... of a
-    random-access `source`, in order, decoded by `num_threads` threads.
+    random-access `source`, in order, decoded by `num_threads` threads (`item`: the transform of one item, a
+    picklable callable; `EvalItem(image_size)` when None).
 
     With `steps`, exactly that many batches: once this process's share has ended the rest are all padding, so every
     process takes part in every step of a multi-process evaluation.
     """
-    items = grain.MapDataset.source(source)[process_index::process_count].map(EvalItem(image_size))
+    items = grain.MapDataset.source(source)[process_index::process_count].map(item or EvalItem(image_size))
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * batch_size)
     batches = iter(items.to_iter_dataset(options).batch(batch_size,
                                                         batch_fn=PaddedCollate(batch_size, tuple(mean), tuple(std))))
@@ -37,3 +42,24 @@ def classification_batches(source, *, batch_size: int, image_size: int, mean: Se
             batch = {"images": np.zeros((batch_size, image_size, image_size, 3), np.float32),
                      "labels": np.full(batch_size, -1, np.int32), "valid": np.zeros(batch_size, bool)}
         yield batch
+
+
+def streamed_batches(items: Iterable[dict], *, batch_size: int, image_size: int, mean: Sequence[float],
+                     std: Sequence[float], num_threads: int = 8, window_batches: int = 8,
+                     item: Callable[[dict], dict] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """`classification_batches` of a stream of items (read once, in order), `window_batches` batches' items held at
+    a time: every batch is whole but the stream's last."""
+    items = iter(items)
+    while window := list(itertools.islice(items, batch_size * window_batches)):
+        yield from classification_batches(window, batch_size=batch_size, image_size=image_size, mean=mean, std=std,
+                                          num_threads=num_threads, item=item)
+
+
+def decoded(items: Iterable, transform: Callable, *, num_threads: int = 8, ahead: int = 16,
+            window: int = 512) -> Iterator:
+    """`transform(item)` of each of a stream of items, in order, run by Grain's `num_threads` threads up to `ahead`
+    items ahead of the consumer, `window` items held at a time (`transform`: picklable)."""
+    items = iter(items)
+    options = grain.ReadOptions(num_threads=max(num_threads, 1), prefetch_buffer_size=max(ahead, 1))
+    while chunk := list(itertools.islice(items, window)):
+        yield from grain.MapDataset.source(chunk).map(transform).to_iter_dataset(options)

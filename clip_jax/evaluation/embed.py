@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="samples a shard is taken to hold when the parts are counted")
     parser.add_argument("--wds_image_key", default="jpg;png;jpeg;webp", help="image extensions, in order")
     parser.add_argument("--wds_caption_key", default="txt", help="caption extension, or json:FIELD")
-    parser.add_argument("--num_prepro_workers", type=int, default=4, help="threads decoding images")
+    parser.add_argument("--num_prepro_workers", type=int, default=4,
+                        help="threads decoding images (and as many tokenizing)")
     return parser.parse_args(argv)
 
 
@@ -175,7 +176,8 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
             samples = _part_samples(args, fmt, embed_parts.part_inputs(inputs, part, parts), skipped)
             batches = embed_reader.batches(samples, skipped, pool, batch_size=rows,
                                            image_size=config.vision.image_size if args.enable_image else None,
-                                           tokenize=tokens if args.enable_text else None)
+                                           tokenize=tokens if args.enable_text else None,
+                                           num_threads=args.num_prepro_workers)
             _embed_part(encoder, placed, batches, rows, mean, std, args,
                         embed_parts.part_paths(args.output_folder, part, parts, kinds), progress,
                         embed_parts.part_number(part, parts))

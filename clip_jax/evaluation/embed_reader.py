@@ -2,8 +2,9 @@
 
 A sample is skipped, and counted by reason as the training data pipeline counts it (`clip_jax.data.skips`), when it
 lacks what the run embeds (an image, a caption), when its caption is not UTF-8 or empty, when its image does not
-decode, or when its shard cannot be read to the end. Images are decoded and cropped (OpenCLIP's eval transform) by a
-pool of threads, one batch ahead of the batch being encoded.
+decode, or when its shard cannot be read to the end. Images are decoded and cropped (OpenCLIP's eval transform) by
+Grain's threads as every eval image is (`batches.decoded`), ahead of the batch being encoded; captions are tokenized by
+a pool of threads, one batch ahead.
 """
 
 import collections
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from clip_jax.data import skips, tar_format, transforms, webdataset
-from clip_jax.evaluation.batches import eval_image
+from clip_jax.evaluation.batches import decoded, eval_image
 from clip_jax.evaluation.embed_parts import FileSample
 
 
@@ -116,43 +117,52 @@ def _caption_member(files: dict[str, bytes], caption_key: str) -> bytes | None:
     return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else None
 
 
-def _image_or_reason(data: bytes, image_size: int) -> np.ndarray | str:
-    try:
-        return eval_image(data, image_size)
-    except transforms.TooManyPixels:
-        return skips.TOO_MANY_PIXELS
-    except transforms.ImageDecodeError:
-        return skips.CORRUPT_IMAGE
+@dataclasses.dataclass(frozen=True)
+class _WithImage:
+    """(sample, its image under the eval transform, uint8 [S, S, 3], or the reason it is skipped); picklable, so
+    Grain runs it in its threads."""
+
+    image_size: int
+
+    def __call__(self, sample: Sample) -> tuple[Sample, np.ndarray | str]:
+        try:
+            return sample, eval_image(sample.image, self.image_size)
+        except transforms.TooManyPixels:
+            return sample, skips.TOO_MANY_PIXELS
+        except transforms.ImageDecodeError:
+            return sample, skips.CORRUPT_IMAGE
 
 
 def batches(samples: Iterator[Sample], skipped: collections.Counter, pool: concurrent.futures.Executor, *,
-            batch_size: int, image_size: int | None, tokenize: Callable | None) -> Iterator[Batch]:
-    """Batches of up to `batch_size` samples (fewer where images did not decode), decoded by `pool` one batch
-    ahead; `image_size` None: no images, `tokenize` None: no tokens."""
+            batch_size: int, image_size: int | None, tokenize: Callable | None,
+            num_threads: int = 2) -> Iterator[Batch]:
+    """Batches of up to `batch_size` samples (fewer where images did not decode): images decoded by `num_threads`
+    of Grain's threads, two batches ahead; captions tokenized by `pool`, one batch ahead. `image_size` None: no
+    images, `tokenize` None: no tokens."""
+    if image_size:
+        with_images = decoded(samples, _WithImage(image_size), num_threads=num_threads, ahead=2 * batch_size,
+                              window=4 * batch_size)
+    else:
+        with_images = ((sample, None) for sample in samples)
+    chunks = iter(lambda: list(itertools.islice(with_images, batch_size)), [])
 
     def submit(chunk):
-        images = [pool.submit(_image_or_reason, s.image, image_size) for s in chunk] if image_size else None
-        tokens = pool.submit(tokenize, [s.caption for s in chunk]) if tokenize else None
-        return chunk, images, tokens
+        kept = []
+        for sample, image in chunk:
+            if isinstance(image, str):
+                skipped[image] += 1
+            else:
+                kept.append((sample, image))
+        tokens = pool.submit(tokenize, [s.caption for s, _ in kept]) if tokenize and kept else None
+        return kept, tokens
 
-    chunks = iter(lambda: list(itertools.islice(samples, batch_size)), [])
     pending = collections.deque(submit(chunk) for chunk in itertools.islice(chunks, 2))
     while pending:
-        chunk, images, tokens = pending.popleft()
+        kept, tokens = pending.popleft()
         following = next(chunks, None)
         if following is not None:
             pending.append(submit(following))
-        keep = np.ones(len(chunk), bool)
-        decoded = []
-        for row, future in enumerate(images or ()):
-            result = future.result()
-            if isinstance(result, str):
-                skipped[result] += 1
-                keep[row] = False
-            else:
-                decoded.append(result)
-        kept = [s for s, k in zip(chunk, keep) if k]
         if not kept:
             continue
-        yield Batch(kept, np.stack(decoded) if images is not None else None,
-                    tokens.result()[keep] if tokens is not None else None)
+        yield Batch([s for s, _ in kept], np.stack([image for _, image in kept]) if image_size else None,
+                    tokens.result() if tokens is not None else None)

@@ -18,7 +18,7 @@ import numpy as np
 from clip_jax.data import shards as shards_lib
 from clip_jax.data import tar_format, transforms, webdataset
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.evaluation.batches import eval_image
+from clip_jax.evaluation.batches import EvalItem, streamed_batches
 
 FOLDER_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -146,23 +146,30 @@ class RetrievalSet:
     caption_image: np.ndarray  # int32 [T]
     num_images: int
 
-    def image_batches(self, *, batch_size: int, image_size: int, mean: Sequence[float],
-                      std: Sequence[float]) -> Iterator[np.ndarray]:
+    def image_batches(self, *, batch_size: int, image_size: int, mean: Sequence[float], std: Sequence[float],
+                      num_threads: int | None = None) -> Iterator[np.ndarray]:
         """Eval-transformed, normalised images float32 [<=B, S, S, 3] of the first `num_images` images, in order
-        (the last batch partial)."""
-        batch = []
+        (the last batch partial), streamed from the shards through `batches.streamed_batches`."""
         groups = itertools.islice(_iter_retrieval_groups(self.urls), self.num_images)
-        for image, _, where in groups:
-            try:
-                batch.append(eval_image(image, image_size))
-            except transforms.ImageDecodeError as e:
-                raise InvalidInput(f"corrupt image {where} in a retrieval set ({e}): fix or drop it (see "
-                                   "`python -m clip_jax.data.check`)") from e
-            if len(batch) == batch_size:
-                yield transforms.normalize(np.stack(batch), mean, std)
-                batch = []
-        if batch:
-            yield transforms.normalize(np.stack(batch), mean, std)
+        items = ({"image": image, "label": 0, "where": where} for image, _, where in groups)
+        for batch in streamed_batches(items, batch_size=batch_size, image_size=image_size, mean=mean, std=std,
+                                      num_threads=num_threads or min(8, os.cpu_count() or 1),
+                                      item=_RetrievalImage(image_size)):
+            yield batch["images"][batch["valid"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RetrievalImage:
+    """A retrieval item's image under the eval transform; one that does not decode is an error naming it."""
+
+    image_size: int
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return EvalItem(self.image_size)(item)
+        except transforms.ImageDecodeError as e:
+            raise InvalidInput(f"corrupt image {item['where']} in a retrieval set ({e}): fix or drop it (see "
+                               "`python -m clip_jax.data.check`)") from e
 
 
 def load_retrieval_set(pattern: str) -> RetrievalSet:
