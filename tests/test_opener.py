@@ -15,7 +15,7 @@ from PIL import Image
 from tiny_model import TINY_MODEL
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
-from clip_jax.evaluation import benchmark_cli, embed
+from clip_jax.evaluation import benchmark_cli, clip_score, embed
 from clip_jax.evaluation import zeroshot as zeroshot_cli
 from clip_jax.interop import export, similarity, weight_files
 from clip_jax.interop.convert import variables_to_open_clip
@@ -150,6 +150,7 @@ COMMANDS = [
     (export, ["PATH", "exported"]),
     (weight_files, ["PATH", "params.npz", "--model", "ViT-B-32"]),
     (similarity, ["--checkpoint", "PATH", "--images", "no/such/photos", "--labels", " "]),
+    (clip_score, ["--checkpoint", "PATH", "--images", "no/such/photos", "--output", "scores.csv"]),
 ]
 
 
@@ -162,7 +163,7 @@ def test_every_command_says_first_what_is_at_a_model_path_that_holds_no_model(co
         assert command.main([path if a == "PATH" else a for a in argv]) == 2, path
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and said in err, err
-    assert not os.path.exists("exported") and not os.path.exists("embeddings")
+    assert not any(os.path.exists(p) for p in ("exported", "embeddings", "scores.csv"))
 
 
 def test_a_training_or_fine_tuning_start_says_what_is_at_its_pretrained_path_before_anything_is_built(

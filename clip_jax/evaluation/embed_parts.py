@@ -62,13 +62,14 @@ def folder_samples(folder: str, *, enable_image: bool, enable_text: bool) -> lis
     return [FileSample(key, images.get(key), texts.get(key), metadata.get(key)) for key in keys]
 
 
-def shard_urls(pattern: str) -> list[str]:
-    """The shards a brace pattern names (`/data/{00000..00099}.tar`); local ones must exist."""
+def shard_urls(pattern: str, option: str = "--input_dataset", instead: str = "") -> list[str]:
+    """The shards a brace pattern names (`/data/{00000..00099}.tar`); local ones must exist (`option`: the flag
+    that gave it, named in the error with `instead`, what else it takes)."""
     urls = expand_braces(pattern)
     missing = [url for url in urls if "://" not in url and not os.path.isfile(url)]
     if missing:
-        raise MissingInput(f"--input_dataset {pattern}: {len(missing)} of {len(urls)} shards do not exist "
-                           f"(first: {missing[0]})")
+        raise MissingInput(f"{option} {pattern}: {len(missing)} of {len(urls)} shards do not exist "
+                           f"(first: {missing[0]}){instead}")
     return urls
 
 

@@ -134,11 +134,11 @@ class _WithImage:
 
 
 def batches(samples: Iterator[Sample], skipped: collections.Counter, pool: concurrent.futures.Executor, *,
-            batch_size: int, image_size: int | None, tokenize: Callable | None,
-            num_threads: int = 2) -> Iterator[Batch]:
+            batch_size: int, image_size: int | None, tokenize: Callable | None, num_threads: int = 2,
+            named: list | None = None) -> Iterator[Batch]:
     """Batches of up to `batch_size` samples (fewer where images did not decode): images decoded by `num_threads`
     of Grain's threads, two batches ahead; captions tokenized by `pool`, one batch ahead. `image_size` None: no
-    images, `tokenize` None: no tokens."""
+    images, `tokenize` None: no tokens. `named`: where to add (image path, reason) of each image skipped."""
     if image_size:
         with_images = decoded(samples, _WithImage(image_size), num_threads=num_threads, ahead=2 * batch_size,
                               window=4 * batch_size)
@@ -151,6 +151,8 @@ def batches(samples: Iterator[Sample], skipped: collections.Counter, pool: concu
         for sample, image in chunk:
             if isinstance(image, str):
                 skipped[image] += 1
+                if named is not None:
+                    named.append((sample.image_path, image))
             else:
                 kept.append((sample, image))
         tokens = pool.submit(tokenize, [s.caption for s, _ in kept]) if tokenize and kept else None
