@@ -16,13 +16,13 @@ import os
 
 from clip_jax.training.finetune_config import default_finetune_config
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def get_config():
     c = default_finetune_config()
-    c.pretrained = os.path.join(HERE, "..", "logs", "demo")
-    c.data = os.path.join(HERE, "..", "data", "clip_benchmark", "fashion-mnist")
+    c.pretrained = os.path.join(ROOT, "logs", "demo")
+    c.data = os.path.join(ROOT, "data", "clip_benchmark", "fashion-mnist")
     c.make_data = "fashion-mnist"
     c.train_samples = 10_000
     c.test_samples = 2_000
@@ -35,7 +35,7 @@ def get_config():
     c.layer_decay = 0.75
     c.ema_decay = 0.99
     c.workers = 2
-    c.logs = os.path.join(HERE, "..", "logs")
+    c.logs = os.path.join(ROOT, "logs")
     c.name = "demo-finetune"
     c.save_every_steps = 50
     c.log_every_n_steps = 10

@@ -195,8 +195,8 @@ class ClassificationFinetuning:
         export_dir = c.export_dir or storage.join(run_dir, EXPORT)
         if jax.process_index() == 0:
             table = wise_ft.write_table(run_dir, rows, sets)
-            wise_ft.write_plot(run_dir, rows, sets)
-            say(f"WiSE-FT table: {table[0]}, {table[1]}")
+            plot = wise_ft.write_plot(run_dir, rows, sets)
+            say(f"WiSE-FT table: {table[0]}, {table[1]}" + (f"; plot: {plot}" if plot else ""))
             export_open_clip(cs.clip_params(chosen, frozen), self.step.spec.model, export_dir, mean=self.mean,
                              std=self.std)
             write_head(export_dir, chosen["head"]["weights"], chosen["head"]["bias"], self.test_set.class_names,
