@@ -121,6 +121,32 @@ class CLIP(nn.Module):
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
 
     def encode_text(self, tokens, normalize: bool = True):  # [B, L] int -> [B, E]
+        features, _ = self._text(tokens, emit_states=False)
+        return l2_normalize(features) if normalize else features.astype(jnp.float32)
+
+    def encode_text_states(self, tokens, final_norm: bool = False, after_block: int | None = None):
+        """(states, embedding) of tokens [B, L]: the text tower's residual stream per token, float32
+        [layers + 1, B, L, W] (states[0] entering the first block, states[k] leaving block k: transformers'
+        `hidden_states` order), with `final_norm` ln_final applied to each (OpenCLIP's normalize_intermediates); or
+        `after_block`'s alone [B, L, W]. `embedding`: the pooled, projected text embedding [B, E], not normalised.
+        Stable Diffusion 2's conditioning is `after_block=layers - 1, final_norm=True`; SDXL's, the same block
+        without the norm, beside the embedding."""
+        features, (states, normed) = self._text(tokens, emit_states=True)
+        return (_block_states(normed if final_norm else states, after_block, "text", self.config.text.layers),
+                features.astype(jnp.float32))
+
+    def encode_image_states(self, images, final_norm: bool = False, after_block: int | None = None):
+        """(states, embedding) of images [B, H, W, 3], as `encode_text_states` for the image tower: states[0] after
+        ln_pre, each with ln_post under `final_norm`, [layers + 1, B, T, W] (T: the class token, then the patches
+        in row-major order), or `after_block`'s alone; the embedding [B, E], not normalised. ViT towers only."""
+        if is_resnet(self.config):
+            raise ValueError("a ResNet image tower has no per-token states: encode_image_states takes a ViT tower")
+        features, states, normed = self.visual(images, emit_states=True)
+        return (_block_states(normed if final_norm else states, after_block, "image", self.config.vision.layers),
+                features.astype(jnp.float32))
+
+    def _text(self, tokens, emit_states: bool):
+        """(features [B, E] in the compute dtype; with `emit_states`, (states, states under ln_final))."""
         context_length = self.config.text.context_length
         if tokens.ndim != 2 or tokens.shape[1] != context_length:
             raise ValueError(f"text tower expects tokens of shape [B, {context_length}], got {tuple(tokens.shape)}")
@@ -132,7 +158,9 @@ class CLIP(nn.Module):
             x = jnp.concatenate([x, cls], axis=1)  # [B, L + 1, W]
             mask = embed_cls_mask(tokens, text.pad_id)
         x = mixed_precision.add(x, self.positional_embedding, self.grad_dtype)
-        x = self.transformer(x, mask)
+        entering = x
+        x = self.transformer(x, mask, emit_states=emit_states)
+        x, states = x if emit_states else (x, None)
         if text.embed_cls:  # the class token, whatever pool_type says, normalised after pooling
             x = self.ln_final(x[:, -1])  # [B, W]
         elif text.final_ln_after_pool:
@@ -145,7 +173,10 @@ class CLIP(nn.Module):
             features = x
         else:
             features = mixed_precision.dense(x, self.text_projection, None, self.dtype, self.grad_dtype)
-        return l2_normalize(features) if normalize else features.astype(jnp.float32)
+        if not emit_states:
+            return features, None
+        states = jnp.concatenate([entering[None].astype(states.dtype), states])
+        return features, (states, self.ln_final(states))
 
     def __call__(self, images, tokens, kept_patches=None, train: bool = False):
         outputs = (self.encode_image(images, kept_patches=kept_patches, train=train), self.encode_text(tokens),
@@ -153,6 +184,16 @@ class CLIP(nn.Module):
         if self.config.init_logit_bias is None:
             return outputs
         return (*outputs, self.logit_bias.astype(jnp.float32))
+
+
+def _block_states(states, after_block: int | None, tower: str, layers: int):
+    """Every block's states float32 [layers + 1, ...], or those after block `after_block` (0: entering block 1)."""
+    if after_block is None:
+        return states.astype(jnp.float32)
+    if not isinstance(after_block, int) or not -layers - 1 <= after_block <= layers:
+        raise ValueError(f"after_block={after_block!r}: the {tower} tower has {layers} blocks; give 0 (entering the "
+                         f"first) to {layers} (leaving the last), or -1 for the last")
+    return states[after_block].astype(jnp.float32)
 
 
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,

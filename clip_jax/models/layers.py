@@ -253,7 +253,7 @@ class Attention(nn.Module):
     fp8: bool = False  # in_proj and out_proj in FP8
 
     @nn.compact
-    def __call__(self, x, mask=None):  # [B, T, W]
+    def __call__(self, x, mask=None, emit_states: bool = False):  # [B, T, W]
         batch, length, _ = x.shape
         head_dim = self.width // self.heads
         opts = self.block
@@ -306,7 +306,8 @@ class MLP(nn.Module):
 class ResidualBlock(nn.Module):
     """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with the block's options,
     x + ls_1(ln_attn(attn(ln_1(x)))), then x + ls_2(mlp(ln_2(x))). Scan-shaped: (carry, mask) -> (carry, None),
-    the attention `mask` (or None) the same for every layer."""
+    the attention `mask` (or None) the same for every layer; with `emit`, (carry, carry): the scan stacks every
+    block's output."""
 
     width: int
     heads: int
@@ -320,6 +321,7 @@ class ResidualBlock(nn.Module):
     block: BlockConfig = BlockConfig()
     grad_dtype: Dtype | None = None
     fp8: bool = False
+    emit: bool = False
 
     @nn.compact
     def __call__(self, x, mask):  # x: the residual stream, in its own dtype; each branch adds in it
@@ -338,7 +340,8 @@ class ResidualBlock(nn.Module):
                 self.grad_dtype, self.fp8, name="mlp")(norm("ln_2")(x))
         if opts.ls_init_value is not None:
             y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_2")(y)
-        return x + y.astype(x.dtype), None
+        x = x + y.astype(x.dtype)
+        return x, (x if self.emit else None)
 
 
 class Transformer(nn.Module):
@@ -352,6 +355,7 @@ class Transformer(nn.Module):
 
     `mask` ([B, 1, T, T] bool or None): an attention mask every block applies on top of `causal`.
     `residual_dtype`: the residual stream's dtype through the blocks and out of them (None: the compute dtype).
+    `emit_states`: also return every block's output, stacked [layers, B, T, W] (the towers' hidden states).
     """
 
     width: int
@@ -371,7 +375,7 @@ class Transformer(nn.Module):
     fp8: bool = False  # each block's four matmuls in FP8 (`mixed_precision.fp8_dense`)
 
     @nn.compact
-    def __call__(self, x, mask=None):  # [B, T, W]
+    def __call__(self, x, mask=None, emit_states: bool = False):  # [B, T, W]
         block = ResidualBlock
         if self.layer_params_hook is not None and not self.is_initializing():
             hook = functools.partial(self.layer_params_hook, layers=self.layers)
@@ -381,7 +385,7 @@ class Transformer(nn.Module):
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
                         in_axes=nn.broadcast)
         x = x.astype(self.residual_dtype or self.dtype)
-        x, _ = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu, self.dtype,
-                     self.param_dtype, self.attention_impl, self.block, self.grad_dtype, self.fp8,
-                     name="resblocks")(x, mask)
-        return x
+        x, states = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu,
+                          self.dtype, self.param_dtype, self.attention_impl, self.block, self.grad_dtype, self.fp8,
+                          emit_states, name="resblocks")(x, mask)
+        return (x, states) if emit_states else x

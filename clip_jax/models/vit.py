@@ -35,7 +35,9 @@ class VisionTransformer(nn.Module):
     fp8: bool = False  # see `Transformer`
 
     @nn.compact
-    def __call__(self, images, kept_patches=None):  # [B, H, W, 3] -> [B, embed_dim]
+    def __call__(self, images, kept_patches=None, emit_states: bool = False):  # [B, H, W, 3] -> [B, embed_dim]
+        """The image embedding [B, E]; with `emit_states`, (embedding, states, states under ln_post): the residual
+        stream entering the first block and leaving each, [layers + 1, B, T, W] (`CLIP.encode_image_states`)."""
         cfg = self.config
         if images.ndim != 4 or images.shape[1:] != (cfg.image_size, cfg.image_size, 3):
             raise ValueError(f"image tower expects images of shape [B, {cfg.image_size}, {cfg.image_size}, 3] "
@@ -56,18 +58,25 @@ class VisionTransformer(nn.Module):
         norm = lambda name: tower_norm(cfg.block, self.dtype, self.param_dtype, name)  # noqa: E731
         if not cfg.no_ln_pre:
             x = norm("ln_pre")(x)
+        entering = x
         x = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_width, causal=False, quick_gelu=self.quick_gelu,
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                         block=cfg.block, grad_dtype=self.grad_dtype, residual_dtype=self.residual_dtype,
-                        fp8=self.fp8, name="transformer")(x)
+                        fp8=self.fp8, name="transformer")(x, emit_states=emit_states)
+        x, states = x if emit_states else (x, None)
+        ln_post = norm("ln_post")
         pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
         if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
-            pooled = norm("ln_post")(pool(x))  # [B, W]
+            pooled = ln_post(pool(x))  # [B, W]
         else:
-            pooled = pool(norm("ln_post")(x))
+            pooled = pool(ln_post(x))
         proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
-        return mixed_precision.dense(pooled, proj, None, self.dtype, self.grad_dtype)
+        features = mixed_precision.dense(pooled, proj, None, self.dtype, self.grad_dtype)
+        if not emit_states:
+            return features
+        states = jnp.concatenate([entering[None].astype(states.dtype), states])
+        return features, states, ln_post(states)
 
     def patchify(self, images):
         """[B, H, W, 3] -> [B, g*g, W]: `conv1`, a stride-`patch_size` convolution without bias (kernel HWIO). With
