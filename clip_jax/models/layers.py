@@ -253,7 +253,7 @@ class Attention(nn.Module):
     fp8: bool = False  # in_proj and out_proj in FP8
 
     @nn.compact
-    def __call__(self, x, mask=None, emit_states: bool = False):  # [B, T, W]
+    def __call__(self, x, mask=None):  # [B, T, W]
         batch, length, _ = x.shape
         head_dim = self.width // self.heads
         opts = self.block
