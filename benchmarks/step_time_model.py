@@ -317,9 +317,9 @@ def check(path: pathlib.Path, cache: pathlib.Path, out: pathlib.Path) -> None:
     profile_rows = []
     lines += ["", "per part, ms per step: the run's traced kernels | predicted"]
     lines.append(f"{'setting':<52}" + "".join(f"{part:>19}" for part in ("gemm", "attention", "memory")))
+    runs = [json.loads(line) for line in path.read_text().splitlines()]
     for setting in held_out:
-        traced = [json.loads(line) for line in path.read_text().splitlines()]
-        traced = [r["kernels"]["ops"] for r in traced if r.get("framework") == "clip_jax" and r.get("status") == "ok"
+        traced = [r["kernels"]["ops"] for r in runs if r.get("framework") == "clip_jax" and r.get("status") == "ok"
                   and "ops" in (r.get("kernels") or {}) and _key(r) == setting.key]
         if not traced:
             continue
