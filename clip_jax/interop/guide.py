@@ -1,0 +1,136 @@
+"""An image optimised towards a prompt by CLIP guidance alone: `python -m clip_jax.guide`.
+
+    python -m clip_jax.guide --checkpoint logs/demo --prompt "a photo of a sneaker." --output sneaker.png
+
+`--checkpoint` takes any model the other commands take. The image (`--size`, default twice the model's image size;
+from noise, or from `--init IMAGE`) is held as logits whose sigmoid are the pixels and moved by Adam (`--lr`) along
+the gradient of its similarity to the prompt: the cosine of the image and text embeddings, averaged over
+`--cutouts` random crops (`clip_jax.interop.guidance`). Each step's similarity is printed; the final image is
+written to `--output`, and a strip of `--frames` images from the first step to the last beside it
+(`FILE.strip.png`). The last line gives the final image's similarity under the plain eval transform (no cutouts).
+"""
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+
+from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.interop import guidance
+
+
+def strip_path(output: str) -> str:
+    root, ext = os.path.splitext(output)
+    return f"{root}.strip{ext or '.png'}"
+
+
+def initial_logits(args, size: int, key) -> jnp.ndarray:
+    """The image's logits: `--init`'s pixels resized to the canvas, else small noise around grey."""
+    if args.init is None:
+        return 0.5 * jax.random.normal(key, (size, size, 3))
+    if not os.path.isfile(args.init):
+        raise MissingInput(f"--init {args.init} does not exist: give an image file, or leave --init out for noise")
+    try:
+        image = Image.open(args.init).convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
+    except OSError as e:
+        raise InvalidInput(f"--init {args.init} is not an image that decodes ({e})") from None
+    pixels = np.clip(np.asarray(image, np.float32) / 255, 1e-3, 1 - 1e-3)
+    return jnp.asarray(np.log(pixels / (1 - pixels)))
+
+
+def to_uint8(pixels) -> np.ndarray:
+    return np.asarray(jnp.clip(jnp.round(pixels * 255), 0, 255)).astype(np.uint8)
+
+
+def run(args) -> dict:
+    import optax
+
+    from clip_jax.interop.opener import open_model
+    from clip_jax.models import create_model
+    from clip_jax.tokenizer import tokenize
+
+    for name in ("steps", "cutouts", "frames", "size"):
+        if getattr(args, name) < (0 if name in ("cutouts", "size") else 1):
+            raise InvalidInput(f"--{name} {getattr(args, name)}: give a positive number")
+    if not args.prompt.strip():
+        raise InvalidInput("--prompt is empty: give the text the image should match")
+    opened = open_model(args.checkpoint, args.model, what="--checkpoint")
+    model = create_model(opened.config)
+    mean, std = opened.normalization()
+    model_size = model.config.vision.image_size
+    size = args.size or 2 * model_size
+    if size < model_size:
+        raise InvalidInput(f"--size {size} is below the model's image size {model_size}")
+    variables = opened.variables()
+    tokens = tokenize([args.prompt], context_length=model.config.text.context_length)
+    text = model.apply(variables, tokens, method="encode_text")[0]
+    step_fn = guidance.guidance(model, variables, text, size=model_size, mean=mean, std=std,
+                                num_cutouts=args.cutouts, min_fraction=args.min_fraction)
+    init_key, key = jax.random.split(jax.random.key(args.seed))
+    logits = initial_logits(args, size, init_key)
+    optimizer = optax.adam(args.lr)
+    state = optimizer.init(logits)
+
+    @jax.jit
+    def step(logits, state, key):
+        similarity, grad = step_fn(jax.nn.sigmoid(logits), key)
+        grad_logits = jax.grad(lambda z: jnp.vdot(jax.nn.sigmoid(z), grad))(logits)  # chain rule through sigmoid
+        updates, state = optimizer.update(-grad_logits, state, logits)  # ascent on the similarity
+        return optax.apply_updates(logits, updates), state, similarity
+
+    keep = {int(round(k)) for k in np.linspace(0, args.steps, args.frames)}
+    frames, curve = [], []
+    for number in range(args.steps + 1):
+        if number in keep:
+            frames.append(to_uint8(jax.nn.sigmoid(logits)))
+        if number == args.steps:
+            break
+        key, step_key = jax.random.split(key)
+        logits, state, similarity = step(logits, state, step_key)
+        curve.append(float(similarity))
+        print(f"step {number + 1}/{args.steps} similarity {curve[-1]:.4f}", flush=True)
+    final = to_uint8(jax.nn.sigmoid(logits))
+    plain, _ = guidance.guidance(model, variables, text, size=model_size, mean=mean, std=std)(final / 255.0,
+                                                                                            jax.random.key(0))
+    return {"image": final, "frames": frames, "similarity": curve, "final_similarity": float(plain)}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m clip_jax.guide", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help="the model: a run directory, one of its "
+                        "checkpoints, an exported or transformers folder, or a weights file (with --model)")
+    parser.add_argument("--model", help="model name or OpenCLIP model-config .json to read --checkpoint as")
+    parser.add_argument("--prompt", required=True, help="the text the image is moved towards")
+    parser.add_argument("--output", required=True, metavar="FILE.png", help="the final image (and FILE.strip.png)")
+    parser.add_argument("--init", metavar="IMAGE", help="start from this image (default: noise)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=0.05, help="Adam's step size on the pixels' logits")
+    parser.add_argument("--size", type=int, default=0, help="the image's side (default: twice the model's)")
+    parser.add_argument("--cutouts", type=int, default=16, help="random crops per step (0: the whole image)")
+    parser.add_argument("--min-fraction", type=float, default=0.5, help="smallest cutout, of the image's side")
+    parser.add_argument("--frames", type=int, default=8, help="images in the progress strip")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from clip_jax.runtime import ownership, xla_gpu
+
+    args = parse_args(argv)
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
+    try:
+        for path in (args.output, strip_path(args.output)):  # before the work
+            ownership.claim_file(path, writing="the guided image", change="give another --output")
+        result = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    Image.fromarray(result["image"]).save(args.output)
+    Image.fromarray(np.concatenate(result["frames"], axis=1)).save(strip_path(args.output))
+    print(f"wrote {args.output} and {strip_path(args.output)}; similarity under the eval transform "
+          f"{result['final_similarity']:.4f}")
+    return 0
