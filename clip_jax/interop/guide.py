@@ -53,9 +53,9 @@ def run(args) -> dict:
     from clip_jax.models import create_model
     from clip_jax.tokenizer import tokenize
 
-    for name in ("steps", "cutouts", "frames", "size"):
-        if getattr(args, name) < (0 if name in ("cutouts", "size") else 1):
-            raise InvalidInput(f"--{name} {getattr(args, name)}: give a positive number")
+    for name, least in (("steps", 1), ("frames", 1), ("cutouts", 0), ("size", 0)):
+        if getattr(args, name) < least:
+            raise InvalidInput(f"--{name} {getattr(args, name)}: give {least} or more")
     if not args.prompt.strip():
         raise InvalidInput("--prompt is empty: give the text the image should match")
     opened = open_model(args.checkpoint, args.model, what="--checkpoint")
