@@ -245,16 +245,20 @@ def resized_crop(image: Image.Image, box: tuple[int, int, int, int], size: int) 
     return np.asarray(crop)
 
 
-def eval_crop(image: Image.Image, size: int) -> np.ndarray:
-    """Bicubic resize of the shortest side to ``size`` (the other as ``int(size * long / short)``), center crop."""
-    width, height = image.size
+def eval_geometry(width: int, height: int, size: int) -> tuple[tuple[int, int], int, int]:
+    """((width, height) after the shortest side is resized to ``size``, the other to ``int(size * long / short)``;
+    the centre crop's left and top): the eval transform's sizes, for PIL here and JAX in ``interop.guidance``."""
     short, long = min(width, height), max(width, height)
     new_long = int(size * long / short)
     new_size = (size, new_long) if width <= height else (new_long, size)
+    return new_size, int(round((new_size[0] - size) / 2.0)), int(round((new_size[1] - size) / 2.0))
+
+
+def eval_crop(image: Image.Image, size: int) -> np.ndarray:
+    """Bicubic resize of the shortest side to ``size`` (the other as ``int(size * long / short)``), center crop."""
+    new_size, left, top = eval_geometry(*image.size, size)
     if new_size != image.size:
         image = image.resize(new_size, Image.Resampling.BICUBIC)
-    left = int(round((new_size[0] - size) / 2.0))
-    top = int(round((new_size[1] - size) / 2.0))
     return np.asarray(image.crop((left, top, left + size, top + size)))
 
 

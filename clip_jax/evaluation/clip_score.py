@@ -105,9 +105,8 @@ def score(args) -> dict:
     from clip_jax.data.transforms import normalize
     from clip_jax.evaluation.batches import pad_rows
     from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
+    from clip_jax.evaluation.embed import read_model
     from clip_jax.interop.opener import open_model
-    from clip_jax.models import create_model
-    from clip_jax.models.variables import eval_variables
     from clip_jax.runtime.mesh import create_mesh
     from clip_jax.tokenizer import tokenize
 
@@ -116,11 +115,7 @@ def score(args) -> dict:
     opened = open_model(args.checkpoint, args.model, what="--checkpoint")  # what the path holds, said first
     skipped, named = collections.Counter(), []
     samples = open_pairs(args, skipped, named)  # the inputs checked before the weights are read
-    try:
-        params = eval_variables(**opened.variables())
-    except InvalidInput as e:
-        raise InvalidInput(f"--checkpoint {args.checkpoint}: {e}" + ("" if args.model else " (--model NAME)")) from None
-    model, (mean, std) = create_model(opened.config), opened.normalization()
+    model, params, mean, std = read_model(opened, f"--checkpoint {args.checkpoint}", args.model)
     mesh = create_mesh(jax.local_devices())
     encoder = ShardedEncoder(model, mesh)
     placed = encoder.place(params)

@@ -74,14 +74,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_model(clip_model: str, model_name: str | None):
     """(model, params, image mean, image std) of what `--clip_model` names."""
     from clip_jax.interop.opener import open_model
+
+    return read_model(open_model(clip_model, model_name, what="--clip_model"), f"--clip_model {clip_model}",
+                      model_name)
+
+
+def read_model(opened, named: str, model_name: str | None):
+    """(model, params, image mean, image std) of an `OpenedModel`, its variables read now; `named`: the option and
+    path that gave it, for the message when they do not fit the model."""
     from clip_jax.models import create_model
     from clip_jax.models.variables import eval_variables
 
-    opened = open_model(clip_model, model_name, what="--clip_model")
     try:
         params = eval_variables(**opened.variables())
     except InvalidInput as e:
-        raise InvalidInput(f"--clip_model {clip_model}: {e}" + ("" if model_name else " (--model NAME)")) from None
+        raise InvalidInput(f"{named}: {e}" + ("" if model_name else " (--model NAME)")) from None
     return create_model(opened.config), params, *opened.normalization()
 
 

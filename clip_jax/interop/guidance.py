@@ -7,7 +7,8 @@ PIL's own coefficients in its 22-bit fixed point, horizontal then vertical, each
 the forward pass rounds, the gradient goes straight through), the centre crop, the normalisation. On an image of
 whole uint8 levels it gives the eval transform's pixels (tests/test_guidance.py: at most one uint8 level apart, rarely).
 `cutouts` takes random square crops (seeded) resized to the model's size instead, the augmentation guidance uses
-against adversarial pixels. `guidance` builds the jitted function: (pixels, key) -> (similarity, its gradient).
+against adversarial pixels. `similarity` is (pixels, key) -> the image-text cosine; `guidance` its jitted value and
+gradient.
 """
 
 import functools
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from clip_jax.data.transforms import eval_geometry
 
 PRECISION_BITS = 22  # PIL's fixed-point coefficients for 8-bit images
 
@@ -53,22 +56,15 @@ def _to_uint8_levels(x):
     return x + jax.lax.stop_gradient(jnp.clip(jnp.floor(x + 0.5), 0, 255) - x)
 
 
-def resized_shape(height: int, width: int, size: int) -> tuple[int, int]:
-    """(height, width) after the shortest side is resized to `size` (the other `int(size * long / short)`)."""
-    long = int(size * max(height, width) / min(height, width))
-    return (long, size) if height > width else (size, long)
-
-
 def preprocess(pixels, size: int, mean: Sequence[float], std: Sequence[float]):
     """float [H, W, 3] in [0, 1] -> [size, size, 3], the eval transform, differentiable (see the module)."""
     height, width = pixels.shape[:2]
-    new_height, new_width = resized_shape(height, width, size)
+    (new_width, new_height), left, top = eval_geometry(width, height, size)
     x = pixels * 255
     if new_width != width:
         x = _to_uint8_levels(jnp.einsum("ow,hwc->hoc", resize_matrix(width, new_width), x))
     if new_height != height:
         x = _to_uint8_levels(jnp.einsum("oh,hwc->owc", resize_matrix(height, new_height), x))
-    top, left = int(round((new_height - size) / 2.0)), int(round((new_width - size) / 2.0))
     x = x[top:top + size, left:left + size] / 255
     return (x - jnp.asarray(mean, x.dtype)) / jnp.asarray(std, x.dtype)
 
@@ -91,14 +87,14 @@ def cutouts(pixels, key, count: int, size: int, min_fraction: float = 0.5):
     return jax.vmap(one)(sides, tops, lefts)
 
 
-def guidance(model, variables, text_features, *, size: int, mean: Sequence[float], std: Sequence[float],
-             num_cutouts: int = 0, min_fraction: float = 0.5) -> Callable:
-    """The jitted (pixels [H, W, 3] in [0, 1], key) -> (similarity, d similarity / d pixels): the cosine of the
-    image embedding (`model.apply(variables, ...)`) and `text_features` (a normalised [E]), of the eval transform of
-    the whole image, or with `num_cutouts` averaged over that many cutouts drawn with `key`."""
+def similarity(model, variables, text_features, *, size: int, mean: Sequence[float], std: Sequence[float],
+               num_cutouts: int = 0, min_fraction: float = 0.5) -> Callable:
+    """(pixels [H, W, 3] in [0, 1], key) -> the cosine of the image embedding (`model.apply(variables, ...)`) and
+    `text_features` (a normalised [E]), of the eval transform of the whole image, or with `num_cutouts` averaged
+    over that many cutouts drawn with `key`."""
     text = jnp.asarray(text_features)
 
-    def similarity(pixels, key):
+    def of(pixels, key):
         if num_cutouts:
             images = cutouts(pixels, key, num_cutouts, size, min_fraction)
             images = (images - jnp.asarray(mean, images.dtype)) / jnp.asarray(std, images.dtype)
@@ -107,4 +103,9 @@ def guidance(model, variables, text_features, *, size: int, mean: Sequence[float
         features = model.apply(variables, images, method="encode_image")  # L2-normalised
         return jnp.mean(features @ text)
 
-    return jax.jit(jax.value_and_grad(similarity))
+    return of
+
+
+def guidance(model, variables, text_features, **options) -> Callable:
+    """The jitted (pixels, key) -> (similarity, d similarity / d pixels) of `similarity(..., **options)`."""
+    return jax.jit(jax.value_and_grad(similarity(model, variables, text_features, **options)))

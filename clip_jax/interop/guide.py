@@ -94,8 +94,8 @@ def run(args) -> dict:
         curve.append(float(similarity))
         print(f"step {number + 1}/{args.steps} similarity {curve[-1]:.4f}", flush=True)
     final = to_uint8(jax.nn.sigmoid(logits))
-    plain, _ = guidance.guidance(model, variables, text, size=model_size, mean=mean, std=std)(final / 255.0,
-                                                                                            jax.random.key(0))
+    plain = jax.jit(guidance.similarity(model, variables, text, size=model_size, mean=mean, std=std))(
+        final / 255.0, jax.random.key(0))
     return {"image": final, "frames": frames, "similarity": curve, "final_similarity": float(plain)}
 
 
