@@ -132,3 +132,24 @@ def test_the_score_is_100_times_the_cosine_clipped_at_zero():
     expected = [100 * max(float(np.dot(x, y)), 0.0) for x, y in zip(a, b)]
     np.testing.assert_allclose(clip_score.clip_scores(a.astype(np.float32), b.astype(np.float32)), expected,
                                atol=1e-4)
+
+
+def test_an_unwritable_output_and_a_ctrl_c_are_one_line_each(export, unwritable_folder, tmp_path, capsys,
+                                                               monkeypatch):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    _images()[0].save(folder / "a.png")
+    (tmp_path / "c.csv").write_text("a.png,a caption\n")
+    argv = ["--checkpoint", str(export), "--images", str(folder), "--captions", str(tmp_path / "c.csv")]
+    assert clip_score.main([*argv, "--output", f"{unwritable_folder}/s.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the scores ") and err.count("\n") == 1 and "s.csv" in err, err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(clip_score, "score", interrupted)
+    assert clip_score.main([*argv, "--output", str(tmp_path / "s.csv")]) == 130
+    assert capsys.readouterr().err == "stopped (Ctrl-C) before the scores were written\n"
+    assert not (tmp_path / "s.csv").exists()
+

@@ -127,3 +127,23 @@ def test_bad_inputs_are_one_line_and_a_file_not_ours_is_left_as_it_is(export, tm
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and said in err, err
     assert theirs.read_bytes() == b"keep"
+
+
+def test_an_unwritable_output_and_a_ctrl_c_are_one_line_each(export, unwritable_folder, tmp_path, capsys,
+                                                               monkeypatch):
+    out = f"{unwritable_folder}/g.png"
+    assert guide(["--checkpoint", str(export), "--prompt", "x", "--output", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the guided image ") and err.count("\n") == 1 and "g.png" in err, err
+
+    import clip_jax.interop.guide as guide_module
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(guide_module, "run", interrupted)
+    out = tmp_path / "g.png"
+    assert guide(["--checkpoint", str(export), "--prompt", "x", "--output", str(out)]) == 130
+    assert capsys.readouterr().err == "stopped (Ctrl-C) before the image was written\n"
+    assert not out.exists()
+

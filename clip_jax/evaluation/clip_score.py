@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped (Ctrl-C) before the scores were written", file=sys.stderr)
+        return 130
     for image, reason in result["named"]:
         print(f"skipped {image}: {reason}", file=sys.stderr)
     write_rows(args.output, result["rows"])

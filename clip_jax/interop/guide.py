@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped (Ctrl-C) before the image was written", file=sys.stderr)
+        return 130
     Image.fromarray(result["image"]).save(args.output)
     Image.fromarray(np.concatenate(result["frames"], axis=1)).save(strip_path(args.output))
     print(f"wrote {args.output} and {strip_path(args.output)}; similarity under the eval transform "

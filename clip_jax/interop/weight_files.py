@@ -119,7 +119,7 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
 
 
 def _claim(path: str) -> None:
-    ownership.claim_file(path, writing="writing the weights", change="give another output path")
+    ownership.claim_file(path, writing="the weights", change="give another output path")
 
 
 def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:

@@ -95,7 +95,9 @@ def claim(folder: str, names: Iterable[str], *, writing: str, change: str) -> No
 
 
 def claim_file(path: str, *, writing: str, change: str) -> None:
-    """`claim` for one file `path` (an output a command writes, e.g. `--output report.json`)."""
+    """`claim` for one file `path` (an output a command writes, e.g. `--output report.json`), after checking that it
+    can be written there (`storage.check_output_file`: one line naming the path, not a failed write later)."""
+    storage.check_output_file(path, what=writing, change=change)
     claim(storage.dirname(storage.absolute(path)), [storage.basename(path)], writing=writing, change=change)
 
 
