@@ -34,6 +34,7 @@ class _Entry:
     axes: tuple[int, ...] | None  # permutation from OpenCLIP's layout to ours
     layers: int = 0  # > 0: one OpenCLIP tensor per layer, stacked on a leading axis in clip_jax
     collection: str = "params"  # the Flax variable collection the leaf lives in
+    leading: int = 0  # OpenCLIP's tensor has this many more leading axes of size 1 (timm's [1, N, W] pos_embed)
 
     @property
     def full_path(self) -> tuple[str, ...]:
@@ -132,11 +133,47 @@ def _vit_entries(config: CLIPConfig) -> list[_Entry]:
     ]
 
 
+def _timm_siglip_entries(config: CLIPConfig) -> list[_Entry]:
+    """SigLIP's image tower as OpenCLIP holds it: timm's VisionTransformer under `visual.trunk.`."""
+    v, vb, layers = ("visual",), config.vision.block, config.vision.layers
+    trunk, blocks = "visual.trunk.", v + ("transformer", "resblocks")
+    linear = lambda key, path, n=0: [_Entry(f"{key}.weight", path + ("kernel",), _LINEAR, n),  # noqa: E731
+                                     _Entry(f"{key}.bias", path + ("bias",), _SAME, n)]
+    block = f"{trunk}blocks.{{i}}."
+    pool, pool_path = f"{trunk}attn_pool.", v + ("attn_pool",)
+    return [
+        _Entry(f"{trunk}patch_embed.proj.weight", v + ("conv1", "kernel"), _CONV),
+        _Entry(f"{trunk}patch_embed.proj.bias", v + ("conv1", "bias"), _SAME),
+        _Entry(f"{trunk}pos_embed", v + ("positional_embedding",), _SAME, leading=1),
+        *([] if config.vision.no_ln_pre else _norm_entries(f"{trunk}norm_pre", v + ("ln_pre",), vb)),
+        *_norm_entries(block + "norm1", blocks + ("ln_1",), vb, layers),
+        *linear(block + "attn.qkv", blocks + ("attn", "in_proj"), layers),
+        *linear(block + "attn.proj", blocks + ("attn", "out_proj"), layers),
+        *_norm_entries(block + "norm2", blocks + ("ln_2",), vb, layers),
+        *linear(block + "mlp.fc1", blocks + ("mlp", "c_fc"), layers),
+        *linear(block + "mlp.fc2", blocks + ("mlp", "c_proj"), layers),
+        *_norm_entries(f"{trunk}norm", v + ("ln_post",), vb),
+        _Entry(f"{pool}latent", pool_path + ("probe",), _SAME, leading=1),
+        *linear(f"{pool}q", pool_path + ("q",)),
+        *linear(f"{pool}kv", pool_path + ("kv",)),
+        *linear(f"{pool}proj", pool_path + ("out_proj",)),
+        *_norm_entries(f"{pool}norm", pool_path + ("norm",), vb),
+        *linear(f"{pool}mlp.fc1", pool_path + ("mlp", "c_fc")),
+        *linear(f"{pool}mlp.fc2", pool_path + ("mlp", "c_proj")),
+    ]
+
+
+def _image_entries(config: CLIPConfig) -> list[_Entry]:
+    if is_resnet(config):
+        return _resnet_entries(config)
+    return _timm_siglip_entries(config) if config.vision.attention_pool else _vit_entries(config)
+
+
 def _entries(config: CLIPConfig) -> list[_Entry]:
     tb = config.text.block
     t = "text." if config.custom_text else ""  # OpenCLIP's CustomTextCLIP keeps the text tower under `text.`
     return [
-        *(_resnet_entries(config) if is_resnet(config) else _vit_entries(config)),
+        *_image_entries(config),
         _Entry(f"{t}token_embedding.weight", ("token_embedding", "embedding"), _SAME),
         *([_Entry(f"{t}cls_emb", ("cls_emb",), _SAME)] if config.text.embed_cls else []),
         _Entry(f"{t}positional_embedding", ("positional_embedding",), _SAME),
@@ -176,7 +213,7 @@ def open_clip_shapes(name_or_config) -> dict[str, tuple[int, ...]]:
     for entry in _entries(config):
         shape = ours[entry.full_path][1:] if entry.layers else ours[entry.full_path]
         for key in entry.open_clip_keys():
-            shapes[key] = _permute_shape(shape, _inverse(entry.axes))
+            shapes[key] = (1,) * entry.leading + _permute_shape(shape, _inverse(entry.axes))
     return shapes
 
 
@@ -232,6 +269,7 @@ def variables_from_open_clip(state_dict: Mapping[str, Any], name_or_config, dtyp
     variables: dict = {}
     for entry in _entries(config):
         layers = [np.asarray(state_dict[k]) for k in entry.open_clip_keys()]
+        layers = [x.reshape(x.shape[entry.leading:]) for x in layers]
         layers = [x if entry.axes is None else np.transpose(x, entry.axes) for x in layers]
         leaf = np.stack(layers) if entry.layers else layers[0]
         if np.issubdtype(leaf.dtype, np.integer):  # a BatchNorm's update counter (int64 in torch)
@@ -290,6 +328,7 @@ def variables_to_open_clip(variables, name_or_config) -> dict[str, np.ndarray]:
         pieces = list(leaf) if entry.layers else [leaf]
         for key, piece in zip(entry.open_clip_keys(), pieces):
             piece = piece if entry.axes is None else np.transpose(piece, _inverse(entry.axes))
+            piece = piece.reshape((1,) * entry.leading + piece.shape)
             state_dict[key] = np.array(piece, dtype=np.int64 if np.issubdtype(piece.dtype, np.integer) else None,
                                        order="C")
     return state_dict

@@ -15,7 +15,7 @@ from clip_jax.errors import InvalidInput
 
 GELU_APPROXIMATIONS = ("none", "tanh")  # torch's nn.GELU(approximate=...), what OpenCLIP's act_kwargs can set
 BLOCK_TYPES = (None, "default", "custom")
-VISION_POOL_TYPES = ("tok", "avg")
+VISION_POOL_TYPES = ("tok", "avg", "map")
 TEXT_POOL_TYPES = ("argmax", "first", "last", "eos")
 TEXT_PROJ_TYPES = ("linear", "none")
 UNNAMED = "custom"  # the name of a model given as a bare config (a dict): it says nothing about the model
@@ -99,6 +99,9 @@ class VisionConfig:
     no_ln_pre: bool = False  # no LayerNorm between the embeddings and the blocks
     # "tok": the class token; "avg": the mean of the patch tokens. ln_post runs on every token before pooling,
     # or on the pooled vector only when final_ln_after_pool.
+    # "map": SigLIP's tower (timm's `vit_*_siglip_*`, transformers' SiglipVisionModel): no class token, a patch
+    # convolution with a bias, ln_post on every token, then multi-head attention pooling from a learned probe
+    # followed by a residual MLP (`attn_pool`); no projection (the model's embed_dim is the tower's width).
     pool_type: str = "tok"
     final_ln_after_pool: bool = False
 
@@ -107,14 +110,22 @@ class VisionConfig:
             raise InvalidInput(f"patch_dropout={self.patch_dropout} must be in [0, 1)")
         if self.pool_type not in VISION_POOL_TYPES:
             raise InvalidInput(f"vision pool_type={self.pool_type!r}: choose one of {VISION_POOL_TYPES}")
+        if self.pool_type == "map" and self.final_ln_after_pool:
+            raise InvalidInput("vision pool_type='map' with final_ln_after_pool: SigLIP's attention pool reads "
+                               "every token after ln_post (leave final_ln_after_pool out)")
+
+    @property
+    def attention_pool(self) -> bool:
+        """SigLIP's tower: no class token, pooled by attention from a learned probe."""
+        return self.pool_type == "map"
 
     @property
     def grid_size(self) -> int:
         return self.image_size // self.patch_size
 
     @property
-    def num_tokens(self) -> int:  # patches plus the class token
-        return self.grid_size**2 + 1
+    def num_tokens(self) -> int:  # patches plus the class token (none in SigLIP's tower)
+        return self.grid_size**2 + int(not self.attention_pool)
 
 
 RESNET_STAGES = 4  # OpenCLIP's ModifiedResNet: layer1 ... layer4
@@ -244,6 +255,9 @@ class CLIPConfig:
             raise InvalidInput(f"{self.name}: text_cfg.proj_type='none' gives {self.text.width}-wide text features, "
                                f"but the image features are embed_dim={self.embed_dim} wide")
         towers = (self.text,) if is_resnet(self.vision) else (self.vision, self.text)
+        if not is_resnet(self.vision) and self.vision.attention_pool and self.vision.width != self.embed_dim:
+            raise InvalidInput(f"{self.name}: an attention-pooled (SigLIP) image tower has no projection, so its "
+                               f"width {self.vision.width} must be embed_dim={self.embed_dim}")
         if self.quick_gelu and any(t.block.gelu_approximate != "none" for t in towers):
             raise InvalidInput(f"{self.name}: act_kwargs with quick_gelu: OpenCLIP's QuickGELU takes no arguments")
 

@@ -5,6 +5,7 @@ build, option pairs OpenCLIP rejects each raise `InvalidInput` naming the key), 
 `open_clip_model_cfg(config)` is its inverse, leaving out keys at OpenCLIP's default.
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +47,23 @@ _NOT_BUILT = {
     "output_tokens": (False, "the towers return pooled features only"),
     "pos_embed_type": ("learnable", "only the learned positional embedding is built"),
 }
+# OpenCLIP's SigLIP image towers are timm models named in `timm_model_name` (with timm_pool "map", timm_proj
+# "none"); timm's registered sizes (timm/models/vision_transformer.py, timm 1.0.31): every LayerNorm eps 1e-6, exact
+# GELU but where timm's model asks for "gelu_tanh". timm builds its own image size, whatever image_size says.
+TIMM_SIGLIP = {
+    f"vit_{size}_patch{patch}_siglip_{image}": {"image_size": image, "patch_size": patch, "width": width,
+                                                "layers": layers, "heads": heads, "mlp_ratio": ratio,
+                                                "approximate": "tanh" if image in tanh else "none"}
+    for size, patch, width, layers, heads, ratio, images, tanh in (
+        ("base", 16, 768, 12, 12, 4.0, (224, 256, 384, 512), ()),
+        ("base", 32, 768, 12, 12, 4.0, (256,), (256,)),
+        ("large", 16, 1024, 24, 16, 4.0, (256, 384, 512), (512,)),
+        ("so400m", 14, 1152, 27, 16, 3.7362, (224, 378, 384), ()),
+        ("so400m", 16, 1152, 27, 16, 3.7362, (256, 384, 512), (256, 384, 512)),
+    )
+    for image in images
+}
+_TIMM_KEYS = {"image_size", "timm_model_name", "timm_model_pretrained", "timm_pool", "timm_proj", "patch_dropout"}
 _NORM_KWARGS = {"eps": "float", "elementwise_affine": "bool", "bias": "bool"}
 _ACT_KWARGS = {"approximate": "str"}
 _TOP_KEYS = {"embed_dim": "int", "quick_gelu": "bool", "custom_text": "bool", "init_logit_scale": "float",
@@ -133,6 +151,48 @@ def _check_preprocessing(cfg: Mapping[str, Any], where: str) -> None:
                                f"(omit the key or set {supported[1]!r})")
 
 
+def _timm_siglip_from_open_clip(cfg: Mapping[str, Any], name: str) -> VisionConfig:
+    """SigLIP's image tower from a vision_cfg naming a timm model: timm's registered sizes for that name."""
+    where = f"model config {name!r}: vision_cfg"
+    _check_types(cfg, {"image_size": "int", "timm_model_name": "str", "timm_pool": "str", "timm_proj": "str",
+                       "patch_dropout": "float"}, where)
+    timm_name = cfg["timm_model_name"]
+    if timm_name not in TIMM_SIGLIP:
+        raise InvalidInput(f"{where}.timm_model_name={timm_name!r}: timm image towers are not built, but for "
+                           f"SigLIP's attention-pooled ViTs ({', '.join(sorted(TIMM_SIGLIP))})")
+    sizes = TIMM_SIGLIP[timm_name]
+    wrong = [f"{key}={cfg.get(key)!r} (SigLIP's: {want!r})" for key, want in (("timm_pool", "map"),
+                                                                            ("timm_proj", "none"))
+             if cfg.get(key) != want]
+    if cfg.get("timm_model_pretrained"):
+        wrong.append("timm_model_pretrained=true (clip_jax reads no weights from timm's hub: give --pretrained)")
+    if cfg.get("image_size", sizes["image_size"]) != sizes["image_size"]:
+        wrong.append(f"image_size={cfg['image_size']!r} (timm builds {timm_name} at {sizes['image_size']})")
+    others = sorted(set(cfg) - _TIMM_KEYS)
+    if others:
+        wrong.append(f"{others} (OpenCLIP ignores them beside timm_model_name: leave them out)")
+    if wrong:
+        raise InvalidInput(f"{where}: {'; '.join(wrong)}")
+    return VisionConfig(image_size=sizes["image_size"], patch_size=sizes["patch_size"], width=sizes["width"],
+                        layers=sizes["layers"], heads=sizes["heads"],
+                        mlp_width=_mlp_width(sizes["width"], sizes["mlp_ratio"]), no_ln_pre=True, pool_type="map",
+                        patch_dropout=float(cfg.get("patch_dropout", 0.0)),
+                        block=BlockConfig(norm_eps=1e-6, gelu_approximate=sizes["approximate"]))
+
+
+def _timm_siglip_name(v: VisionConfig) -> str | None:
+    """The timm model name of an attention-pooled tower built at one of timm's registered sizes, else None."""
+    for timm_name in TIMM_SIGLIP:
+        try:
+            if _timm_siglip_from_open_clip({"timm_model_name": timm_name, "timm_pool": "map", "timm_proj": "none",
+                                            "image_size": v.image_size}, timm_name) == dataclasses.replace(
+                                                v, patch_dropout=0.0):
+                return timm_name
+        except InvalidInput:
+            continue
+    return None
+
+
 def _block_from_open_clip(cfg: Mapping[str, Any]) -> BlockConfig:
     norm, act = cfg.get("norm_kwargs") or {}, cfg.get("act_kwargs") or {}
     flags = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc")
@@ -186,13 +246,14 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = UNNAMED) -> CLIPCo
             raise InvalidInput(f"model config {name!r}: {key} must be a dict, got {type(cfg[key]).__name__}")
     v, t = dict(cfg["vision_cfg"]), dict(cfg["text_cfg"])
     resnet = _resnet_from_open_clip(v, name) if isinstance(v.get("layers"), (list, tuple)) else None
-    if resnet is None:
+    timm = _timm_siglip_from_open_clip(v, name) if v.get("timm_model_name") is not None else None
+    if resnet is None and timm is None:
         _check_tower(v, _VISION_KEYS, f"{name}: vision_cfg")
     _check_preprocessing(v, f"{name}: vision_cfg")
     _check_tower(t, _TEXT_KEYS, f"{name}: text_cfg")
     try:
         t_width = t["width"]
-        vision = resnet or _vit_from_open_clip(v)
+        vision = resnet or timm or _vit_from_open_clip(v)
         text = TextConfig(
             context_length=t.get("context_length", 77),
             vocab_size=t.get("vocab_size", 49408),
@@ -250,6 +311,11 @@ def _resnet_to_open_clip(v: ResNetVisionConfig) -> dict[str, Any]:
 
 
 def _vit_to_open_clip(v: VisionConfig) -> dict[str, Any]:
+    timm_name = _timm_siglip_name(v) if v.attention_pool else None
+    if timm_name is not None:  # OpenCLIP's SigLIP form; any other size keeps clip_jax's pool_type "map"
+        out = {"image_size": v.image_size, "timm_model_name": timm_name, "timm_model_pretrained": False,
+               "timm_pool": "map", "timm_proj": "none"}
+        return out if v.patch_dropout == 0.0 else out | {"patch_dropout": v.patch_dropout}
     vision = {"image_size": v.image_size, "layers": v.layers, "width": v.width, "patch_size": v.patch_size}
     if v.width // v.heads != 64:
         vision["head_width"] = v.width // v.heads

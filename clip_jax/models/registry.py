@@ -8,7 +8,22 @@ from typing import Any
 
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.models.config import CLIPConfig
-from clip_jax.models.open_clip_json import config_from_open_clip
+from clip_jax.models.open_clip_json import TIMM_SIGLIP, config_from_open_clip
+
+def _siglip(timm_name, width, context_length, vocab_size, heads, layers, mlp_ratio, approximate) -> dict:
+    """OpenCLIP's SigLIP model config: timm's image tower `timm_name`, a text tower as wide as it."""
+    text = {"context_length": context_length, "vocab_size": vocab_size, "width": width, "heads": heads,
+            "layers": layers, "no_causal_mask": True, "proj_bias": True, "pool_type": "last",
+            "norm_kwargs": {"eps": 1e-6}}
+    if mlp_ratio != 4.0:
+        text["mlp_ratio"] = mlp_ratio
+    if approximate != "none":
+        text["act_kwargs"] = {"approximate": approximate}
+    return {"embed_dim": width, "init_logit_bias": -10, "custom_text": True,
+            "vision_cfg": {"image_size": TIMM_SIGLIP[timm_name]["image_size"], "timm_model_name": timm_name,
+                           "timm_model_pretrained": False, "timm_pool": "map", "timm_proj": "none"},
+            "text_cfg": text}
+
 
 # OpenCLIP's model-config JSON, as in open_clip/model_configs/*.json (architecture fields only).
 _OPEN_CLIP_CONFIGS = {
@@ -49,6 +64,18 @@ _OPEN_CLIP_CONFIGS = {
         },
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16, "layers": 24},
     },
+    # SigLIP and SigLIP 2 (fixed resolution): timm's attention-pooled ViT image towers and a bidirectional text
+    # tower pooled at its last token, with a bias beside the scale; SentencePiece vocabularies (SigLIP's 32k, SigLIP
+    # 2's Gemma 256k), whose files come with the weights.
+    **{name: _siglip(*sizes) for name, sizes in {
+        "ViT-B-16-SigLIP": ("vit_base_patch16_siglip_224", 768, 64, 32000, 12, 12, 4.0, "none"),
+        "ViT-B-16-SigLIP-256": ("vit_base_patch16_siglip_256", 768, 64, 32000, 12, 12, 4.0, "none"),
+        "ViT-L-16-SigLIP-384": ("vit_large_patch16_siglip_384", 1024, 64, 32000, 16, 24, 4.0, "none"),
+        "ViT-SO400M-14-SigLIP": ("vit_so400m_patch14_siglip_224", 1152, 16, 32000, 16, 27, 3.7362, "none"),
+        "ViT-B-16-SigLIP2": ("vit_base_patch16_siglip_224", 768, 64, 256000, 12, 12, 4.0, "tanh"),
+        "ViT-B-16-SigLIP2-256": ("vit_base_patch16_siglip_256", 768, 64, 256000, 12, 12, 4.0, "tanh"),
+        "ViT-SO400M-16-SigLIP2-384": ("vit_so400m_patch16_siglip_384", 1152, 64, 256000, 16, 27, 3.7362, "tanh"),
+    }.items()},
     # ModifiedResNet image towers (a list of 4 `layers`)
     "RN50": {
         "embed_dim": 1024,

@@ -1,4 +1,5 @@
-"""The image tower: a ViT with class-token pooling, as OpenCLIP's `VisionTransformer`."""
+"""The image tower: a ViT with class-token pooling, as OpenCLIP's `VisionTransformer`, or SigLIP's, pooled by
+attention (`pool_type="map"`)."""
 
 from collections.abc import Callable
 
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.models import mixed_precision
+from clip_jax.models.attention_pool import AttentionPool
 from clip_jax.models.config import VisionConfig
 from clip_jax.models.layers import Dtype, Transformer, tower_norm
 
@@ -16,6 +18,8 @@ class VisionTransformer(nn.Module):
     -> proj. Images are NHWC float32, already normalised. The config's options: `no_ln_pre` drops ln_pre;
     `pool_type="avg"` pools the mean of the patch tokens, after ln_post on every token, or before ln_post when
     `final_ln_after_pool`; `block` sets the residual blocks and every LayerNorm (see `BlockConfig`).
+    `pool_type="map"` is SigLIP's tower: patchify (conv with bias) -> positional embedding -> blocks -> ln_post on
+    every token -> `AttentionPool`, no class token and no projection.
 
     `kept_patches` ([B, K] int, patch indices in row-major order, see `kept_patch_indices`): patch dropout as
     OpenCLIP applies it, after the positional embedding and before `ln_pre`: the blocks see the class token and
@@ -44,17 +48,20 @@ class VisionTransformer(nn.Module):
                              f"(NHWC), got {tuple(images.shape)}")
         scale = cfg.width**-0.5
         x = self.patchify(images)  # [B, g*g, W], row-major patch order
-        class_embedding = self.param("class_embedding", nn.initializers.normal(scale), (cfg.width,), self.param_dtype)
-        class_token = mixed_precision.broadcast(class_embedding, (x.shape[0], 1, cfg.width), self.dtype,
-                                                self.grad_dtype)
-        x = jnp.concatenate([class_token, x], axis=1)  # [B, T, W]
+        prefix = int(not cfg.attention_pool)  # the class token, which SigLIP's tower does not have
+        if prefix:
+            class_embedding = self.param("class_embedding", nn.initializers.normal(scale), (cfg.width,),
+                                         self.param_dtype)
+            class_token = mixed_precision.broadcast(class_embedding, (x.shape[0], 1, cfg.width), self.dtype,
+                                                    self.grad_dtype)
+            x = jnp.concatenate([class_token, x], axis=1)  # [B, T, W]
         positional_embedding = self.param("positional_embedding", nn.initializers.normal(scale),
                                           (cfg.num_tokens, cfg.width), self.param_dtype)
         x = mixed_precision.add(x, positional_embedding, self.grad_dtype)
         if kept_patches is not None:
             # take_along_axis keeps the batch a batch dimension of the gather: it stays split over devices
-            kept = jnp.take_along_axis(x[:, 1:], kept_patches[:, :, None], axis=1)  # [B, K, W]
-            x = jnp.concatenate([x[:, :1], kept], axis=1)  # [B, 1 + K, W]
+            kept = jnp.take_along_axis(x[:, prefix:], kept_patches[:, :, None], axis=1)  # [B, K, W]
+            x = jnp.concatenate([x[:, :prefix], kept], axis=1)  # [B, prefix + K, W]
         norm = lambda name: tower_norm(cfg.block, self.dtype, self.param_dtype, name)  # noqa: E731
         if not cfg.no_ln_pre:
             x = norm("ln_pre")(x)
@@ -66,27 +73,34 @@ class VisionTransformer(nn.Module):
                         fp8=self.fp8, name="transformer")(x, emit_states=emit_states)
         x, states = x if emit_states else (x, None)
         ln_post = norm("ln_post")
-        pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
-        if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
-            pooled = ln_post(pool(x))  # [B, W]
+        if cfg.attention_pool:  # no projection: the pooled vector is the embedding
+            features = AttentionPool(cfg.width, cfg.heads, cfg.mlp_width, self.quick_gelu, self.dtype,
+                                     self.param_dtype, cfg.block, self.grad_dtype, name="attn_pool")(ln_post(x))
         else:
-            pooled = pool(ln_post(x))
-        proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
-        features = mixed_precision.dense(pooled, proj, None, self.dtype, self.grad_dtype)
+            pool = (lambda t: t[:, 0]) if cfg.pool_type == "tok" else (lambda t: t[:, 1:].mean(axis=1))  # noqa: E731
+            if cfg.final_ln_after_pool or cfg.pool_type == "tok":  # per-token LN: the class token's alone is the same
+                pooled = ln_post(pool(x))  # [B, W]
+            else:
+                pooled = pool(ln_post(x))
+            proj = self.param("proj", nn.initializers.normal(scale), (cfg.width, self.embed_dim), self.param_dtype)
+            features = mixed_precision.dense(pooled, proj, None, self.dtype, self.grad_dtype)
         if not emit_states:
             return features
         states = jnp.concatenate([entering[None].astype(states.dtype), states])
         return features, states, ln_post(states)
 
     def patchify(self, images):
-        """[B, H, W, 3] -> [B, g*g, W]: `conv1`, a stride-`patch_size` convolution without bias (kernel HWIO). With
-        a `grad_dtype` it runs as the matmul it is over the flattened patches, so its kernel's gradient does too."""
+        """[B, H, W, 3] -> [B, g*g, W]: `conv1`, a stride-`patch_size` convolution (kernel HWIO), without bias but
+        in SigLIP's tower. With a `grad_dtype` it runs as the matmul it is over the flattened patches, so its
+        kernel's gradient does too."""
         cfg, size = self.config, self.config.patch_size
         if self.grad_dtype is None:
-            patches = nn.Conv(cfg.width, (size, size), strides=(size, size), padding="VALID", use_bias=False,
-                              dtype=self.dtype, param_dtype=self.param_dtype, name="conv1")(images)
+            patches = nn.Conv(cfg.width, (size, size), strides=(size, size), padding="VALID",
+                              use_bias=cfg.attention_pool, dtype=self.dtype, param_dtype=self.param_dtype,
+                              name="conv1")(images)
             return patches.reshape(images.shape[0], cfg.grid_size**2, cfg.width)
-        return PatchMatmul(cfg.width, size, self.dtype, self.param_dtype, self.grad_dtype, name="conv1")(images)
+        return PatchMatmul(cfg.width, size, self.dtype, self.param_dtype, self.grad_dtype, cfg.attention_pool,
+                           name="conv1")(images)
 
 
 class PatchMatmul(nn.Module):
@@ -98,16 +112,18 @@ class PatchMatmul(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     grad_dtype: Dtype | None = None
+    use_bias: bool = False  # `bias` [width], as flax's `Conv` names it
 
     @nn.compact
     def __call__(self, images):  # [B, H, W, C] -> [B, (H / size) * (W / size), width]
         batch, height, width, channels = images.shape
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.size, self.size, channels, self.width),
                             self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.width,), self.param_dtype) if self.use_bias else None
         rows, cols = height // self.size, width // self.size
         patches = images.reshape(batch, rows, self.size, cols, self.size, channels).transpose(0, 1, 3, 2, 4, 5)
         patches = patches.reshape(batch, rows * cols, self.size * self.size * channels)
-        return mixed_precision.dense(patches, kernel.reshape(-1, self.width), None, self.dtype, self.grad_dtype)
+        return mixed_precision.dense(patches, kernel.reshape(-1, self.width), bias, self.dtype, self.grad_dtype)
 
 
 def kept_patch_count(num_patches: int, patch_dropout: float) -> int:

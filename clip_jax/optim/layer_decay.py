@@ -2,8 +2,8 @@
 classification fine-tunes) use it: the deeper a layer, the larger its step.
 
 A ViT image tower of L residual blocks is numbered by depth: its stem (`conv1`, `class_embedding`,
-`positional_embedding`, `ln_pre`) is layer 0, block i is layer i + 1, and what follows the blocks (`ln_post`, `proj`)
-is layer L + 1, as is everything outside the image tower (a classification head). A parameter of layer l steps at
+`positional_embedding`, `ln_pre`) is layer 0, block i is layer i + 1, and what follows the blocks (`ln_post`, `proj`,
+or SigLIP's attention pool `attn_pool`) is layer L + 1, as is everything outside the image tower (a classification head). A parameter of layer l steps at
 `decay ** (L + 1 - l)` times the learning rate: the head and `proj` at the full rate, the last block at `decay`, the
 stem at `decay ** (L + 1)`. The blocks are one stacked leaf per parameter (axis 0 = block), whose multiplier is a
 vector over the blocks.
@@ -21,7 +21,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.runtime.mesh import LAYER_STACK_KEY, path_names
 
 _STEM = ("conv1", "class_embedding", "positional_embedding", "ln_pre")
-_TOP = ("ln_post", "proj")
+_TOP = ("ln_post", "proj", "attn_pool")  # the projection, or SigLIP's attention pool
 
 
 def image_layer_id(names: list[str], layers: int) -> int | np.ndarray:

@@ -2,7 +2,8 @@
 
 OpenCLIP's `lock_image_tower(unlocked_groups)` splits the image tower into groups, from the input: the stem
 (`conv1`, `class_embedding`, `positional_embedding`, `ln_pre`), one group per residual block but the last, the last
-block with `ln_post`, and `proj`; the last `unlocked_groups` groups train. `lock_text_tower(unlocked_layers)` does the
+block with `ln_post`, and `proj` (SigLIP's tower: its attention pool `attn_pool`, which ends it); the last
+`unlocked_groups` groups train. `lock_text_tower(unlocked_layers)` does the
 same for the text tower: the embeddings (`token_embedding`, `positional_embedding`), the blocks, the last block with
 `ln_final`, and `text_projection`. `logit_scale` (and `logit_bias`) always train.
 
@@ -67,16 +68,18 @@ def _group_trainable(group: int, num_groups: int, unlocked: int) -> bool:
     return group >= num_groups - unlocked
 
 
-def _tower_leaf(names: list[str], layers: int, unlocked: int, first: tuple[str, ...], last_norm: str, proj: str):
+def _tower_leaf(names: list[str], layers: int, unlocked: int, first: tuple[str, ...], last_norm: str,
+                proj: tuple[str, ...]):
     """True / False / [layers] bool for a leaf of a locked tower whose names are relative to the tower. Groups: 0 the
-    stem `first`, 1..layers-1 blocks 0..layers-2, `layers` the last block with `last_norm`, `layers + 1` `proj`."""
+    stem `first`, 1..layers-1 blocks 0..layers-2, `layers` the last block with `last_norm`, `layers + 1` the head
+    `proj` (the projection, or SigLIP's attention pool)."""
     num_groups = layers + 2
     head = names[0]
     if head in first:
         return _group_trainable(0, num_groups, unlocked)
     if head == last_norm:
         return _group_trainable(layers, num_groups, unlocked)
-    if head == proj:
+    if head in proj:
         return _group_trainable(layers + 1, num_groups, unlocked)
     if head == "transformer" and LAYER_STACK_KEY in names:
         per_layer = np.array([_group_trainable(min(i + 1, layers), num_groups, unlocked) for i in range(layers)])
@@ -92,12 +95,13 @@ def leaf_trainable(names: list[str], lock: LockSpec, image_layers: int, text_lay
         if not isinstance(image_layers, int):  # a ResNet tower: its stages' block counts
             check_resnet_lock(lock)
             return False
-        return _tower_leaf(names[1:], image_layers, lock.image_unlocked_groups, _IMAGE_STEM, "ln_post", "proj")
+        return _tower_leaf(names[1:], image_layers, lock.image_unlocked_groups, _IMAGE_STEM, "ln_post",
+                           ("proj", "attn_pool"))
     if names[0] in _TEXT_TOWER:
         if not lock.text:
             return True
         return _tower_leaf(names, text_layers, lock.text_unlocked_layers, _TEXT_EMBEDDINGS, "ln_final",
-                           "text_projection")
+                           ("text_projection",))
     return True  # logit_scale, logit_bias
 
 
