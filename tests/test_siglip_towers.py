@@ -15,6 +15,7 @@ from tiny_model import SGD, TINY_MODEL, assert_bf16_features_close, assert_same_
 from clip_jax.errors import InvalidInput
 from clip_jax.interop.convert import from_open_clip, open_clip_shapes, to_open_clip
 from clip_jax.models import count_params, create_model, get_model_config, init_params, param_shapes
+from clip_jax.models.flops import image_forward_flops, text_forward_flops
 from clip_jax.models.open_clip_json import config_from_open_clip, open_clip_model_cfg
 from clip_jax.optim.layer_decay import lr_multipliers
 from clip_jax.optim.lock import LockSpec, trainable_mask
@@ -30,17 +31,31 @@ SIGLIP_TINY["text_cfg"].update(no_causal_mask=True, pool_type="last", proj_bias=
                                act_kwargs={"approximate": "tanh"})
 
 
-def _meta_open_clip(name: str) -> torch.nn.Module:
-    return open_clip.create_model(name, pretrained=None, device="meta")
+def _open_clip_flops(model: torch.nn.Module, config: dict) -> tuple[int, int]:
+    """(image, text) FLOPs of one sample through OpenCLIP's towers as torch's FlopCounterMode counts them (on the
+    meta device: nothing is computed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    size, context = config["vision_cfg"]["image_size"], config["text_cfg"]["context_length"]
+    counts = []
+    for encode, inputs in ((model.encode_image, torch.zeros(1, 3, size, size, device="meta")),
+                           (model.encode_text, torch.zeros(1, context, dtype=torch.long, device="meta"))):
+        with FlopCounterMode(display=False) as counter:
+            encode(inputs)
+        counts.append(counter.get_total_flops())
+    return counts[0], counts[1]
 
 
 @pytest.mark.parametrize("name", ["ViT-B-16-SigLIP2", "ViT-SO400M-14-SigLIP"])
-def test_named_models_have_open_clips_parameters_and_state_dict(name):
-    reference = _meta_open_clip(name)
+def test_named_models_have_open_clips_parameters_state_dict_and_flops(name):
+    config = open_clip.get_model_config(name)
+    with torch.device("meta"):
+        reference = open_clip.model.CustomTextCLIP(**{k: v for k, v in config.items() if k != "custom_text"}).eval()
     assert count_params(param_shapes(create_model(name))) == sum(p.numel() for p in reference.parameters())
     assert open_clip_shapes(name) == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    assert config_from_open_clip(open_clip_model_cfg(get_model_config(name))) == \
-        config_from_open_clip(open_clip.get_model_config(name))
+    assert config_from_open_clip(open_clip_model_cfg(get_model_config(name))) == config_from_open_clip(config)
+    ours = get_model_config(name)
+    assert (image_forward_flops(ours), text_forward_flops(ours)) == _open_clip_flops(reference, config)
 
 
 def test_siglip_base_has_the_parameters_of_transformers_siglip_model():

@@ -141,10 +141,13 @@ def fused_attention_shapes(hlo: str) -> dict[str, set[int]]:
     return dims
 
 
-# ResNet image towers attend in their pool only, one query over the grid: no fused-attention kernel to check there
+# ResNet image towers attend in their pool only, one query over the grid: no fused-attention kernel to check there.
+# Of the SigLIP models (the same towers at other sizes, ~13 s a compile) the one the planner is shown with.
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in list_models() if not is_resnet(get_model_config(name))])
+@pytest.mark.parametrize("name", [name for name in list_models() if not is_resnet(get_model_config(name))
+                                  and (not get_model_config(name).vision.attention_pool
+                                       or name == "ViT-SO400M-14-SigLIP")])
 def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forward_and_backward(name):
     config = get_model_config(name)
     model = create_model(name, dtype=jnp.bfloat16, attention_impl="cudnn")
@@ -157,7 +160,7 @@ def test_cudnn_attention_compiles_for_every_registered_model_in_both_towers_forw
     tokens = jax.ShapeDtypeStruct((2, config.text.context_length), jnp.int32, sharding=replicated)
 
     def loss(params, images, tokens):
-        image_features, text_features, scale = model.apply({"params": params}, images, tokens)
+        image_features, text_features, scale, *_ = model.apply({"params": params}, images, tokens)  # SigLIP: bias
         return jnp.sum(scale * image_features @ text_features.T)
 
     hlo = xla_gpu.compile_lowered(jax.jit(jax.grad(loss)).lower(params, images, tokens)).as_text()

@@ -4,6 +4,8 @@ and so are the block options' extra norms and per-head scales (elementwise, as t
 
 `train=True` counts the forward as the train step runs it: under patch dropout (`vision.patch_dropout`) the image
 tower's blocks see the class token and the kept patches only (every patch is still embedded). Eval counts all.
+SigLIP's image tower has no class token and no projection; its attention pool (probe query, keys and values of every
+token, output projection, MLP) is counted.
 
 A ResNet image tower (OpenCLIP's ModifiedResNet) counts its convolutions (2 x input channels x output channels x
 the kernel taps that read the image, each conv at the resolution it runs at: a block's strided 2x2 average pool comes
@@ -27,9 +29,16 @@ def _transformer_macs(tokens: int, width: int, mlp_width: int, layers: int) -> i
 
 
 def image_tokens(vision: VisionConfig, train: bool = False) -> int:
-    """Tokens the image tower's blocks see: the class token and every patch, or in training the kept patches."""
+    """Tokens the image tower's blocks see: the class token (SigLIP's tower has none) and every patch, or in
+    training the kept patches."""
     patches = vision.grid_size**2
-    return 1 + (kept_patch_count(patches, vision.patch_dropout) if train else patches)
+    return int(not vision.attention_pool) + (kept_patch_count(patches, vision.patch_dropout) if train else patches)
+
+
+def _attention_pool_macs(tokens: int, width: int, mlp_width: int) -> int:
+    """SigLIP's pooling head: the probe's query, keys and values of every token, the one query's scores and
+    weighted sum, the output projection and the MLP on the pooled vector."""
+    return width * width + 2 * tokens * width * width + 2 * tokens * width + width * width + 2 * width * mlp_width
 
 
 def _conv_macs(size: int, kernel: int, channels_in: int, channels_out: int, stride: int = 1) -> int:
@@ -69,8 +78,12 @@ def image_forward_flops(config: CLIPConfig, train: bool = False) -> int:
     v = config.vision
     patches = v.grid_size**2
     macs = patches * (v.patch_size**2 * 3) * v.width  # patch embedding
-    macs += _transformer_macs(image_tokens(v, train), v.width, v.mlp_width, v.layers)
-    macs += v.width * config.embed_dim  # proj of the class token
+    tokens = image_tokens(v, train)
+    macs += _transformer_macs(tokens, v.width, v.mlp_width, v.layers)
+    if v.attention_pool:
+        macs += _attention_pool_macs(tokens, v.width, v.mlp_width)
+    else:
+        macs += v.width * config.embed_dim  # proj of the class token
     return 2 * macs
 
 
