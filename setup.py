@@ -23,6 +23,7 @@ setup(
         "tensorflow-datasets>=4.9.10",
         "numpy>=2.0",
         "tokenizers>=0.23",
+        "sentencepiece>=0.2",  # SigLIP's spiece.model and Gemma's tokenizer.model (clip_jax.sentencepiece_tokenizer)
         "ftfy>=6.3",
         "regex>=2026.1.1",
         "pillow>=12.0",
