@@ -17,6 +17,9 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Model and preprocessing.
     c.model = "ViT-B-32"  # a registered name or an OpenCLIP model-config .json
+    # A folder holding the model's SentencePiece tokenizer (tokenizer.json or spiece.model: a SigLIP model's); "":
+    # the pretrained folder's when it holds one, else the model config's (CLIP's BPE unless it names another)
+    c.tokenizer = ""
     c.image_mean = OPENAI_MEAN
     c.image_std = OPENAI_STD
 

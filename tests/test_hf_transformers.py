@@ -207,10 +207,10 @@ def test_a_transformers_folder_of_another_model_or_with_damaged_weights_gets_one
     assert len(error.strip().splitlines()) == 1
     assert "model.safetensors is not a readable safetensors file" in error
 
-    other = tmp_path / "siglip"
+    other = tmp_path / "bert"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "siglip"}))
-    with pytest.raises(InvalidInput, match="is a transformers 'siglip' model; clip_jax reads CLIPModel"):
+    (other / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(InvalidInput, match="is a transformers 'bert' model; clip_jax reads CLIPModel"):
         clip_jax.create_model_and_transforms(None, pretrained=str(other))
 
 

@@ -24,14 +24,15 @@ from PIL import Image
 from clip_jax.data import transforms
 
 
-def eval_image(image: "bytes | np.ndarray", image_size: int) -> np.ndarray:
+def eval_image(image: "bytes | np.ndarray", image_size: int, resize_mode: str = "shortest") -> np.ndarray:
     """OpenCLIP's eval transform of encoded bytes or a uint8 array [H, W(, 3)]: RGB, bicubic shortest-side resize,
-    center crop -> uint8 [S, S, 3]. Bytes that do not decode raise `transforms.ImageDecodeError`."""
+    center crop -> uint8 [S, S, 3] (`resize_mode` "squash": the whole image resized to S x S, as a SigLIP folder's
+    processor does). Bytes that do not decode raise `transforms.ImageDecodeError`."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         pil = transforms.decode_rgb(bytes(image))
     else:
         pil = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
-    return transforms.eval_crop(pil, image_size)
+    return transforms.eval_crop(pil, image_size, resize_mode)
 
 
 def pad_rows(rows: np.ndarray, size: int, fill=0) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Image decoding and OpenCLIP's train/eval transforms, on PIL images, as pure functions.
 
 Train: random resized crop (area scale (0.9, 1.0), aspect ratio (3/4, 4/3), the same sampling rule as torchvision's
-``RandomResizedCrop``), bicubic resize to ``size``. Eval: bicubic resize of the shortest side to ``size``, center crop.
+``RandomResizedCrop``), bicubic resize to ``size``. Eval: bicubic resize of the shortest side to ``size``, center crop
+(or, SigLIP's "squash", of the whole image to ``size`` x ``size``).
 Both return ``uint8 [size, size, 3]``; :func:`normalize` turns a batch into float32 as ``(x / 255 - mean) / std``.
 
 OpenCLIP's ``aug_cfg`` (its transform without timm) adds, after the crop: a colour jitter applied with probability
@@ -254,8 +255,17 @@ def eval_geometry(width: int, height: int, size: int) -> tuple[tuple[int, int], 
     return new_size, int(round((new_size[0] - size) / 2.0)), int(round((new_size[1] - size) / 2.0))
 
 
-def eval_crop(image: Image.Image, size: int) -> np.ndarray:
-    """Bicubic resize of the shortest side to ``size`` (the other as ``int(size * long / short)``), center crop."""
+RESIZE_MODES = ("shortest", "squash")  # OpenCLIP's eval resize modes clip_jax builds
+
+
+def eval_crop(image: Image.Image, size: int, resize_mode: str = "shortest") -> np.ndarray:
+    """"shortest": bicubic resize of the shortest side to ``size`` (the other as ``int(size * long / short)``),
+    center crop. "squash" (SigLIP's; OpenCLIP's ``resize_mode`` of that name, transformers' SiglipImageProcessor):
+    bicubic resize of the whole image to ``size`` x ``size``, no crop."""
+    if resize_mode == "squash":
+        return np.asarray(image if image.size == (size, size) else image.resize((size, size), Image.Resampling.BICUBIC))
+    if resize_mode != "shortest":
+        raise ValueError(f"resize_mode={resize_mode!r}: choose one of {RESIZE_MODES}")
     new_size, left, top = eval_geometry(*image.size, size)
     if new_size != image.size:
         image = image.resize(new_size, Image.Resampling.BICUBIC)

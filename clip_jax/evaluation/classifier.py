@@ -18,23 +18,22 @@ from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.models import l2_normalize
 from clip_jax.runtime.stop_signals import never
-from clip_jax.tokenizer import VOCAB_SIZE, tokenize
+from clip_jax.models.model_tokenizer import check_vocabulary as check_vocabulary_of
+from clip_jax.models.model_tokenizer import tokenizer_for
 
 LOGIT_SCALE = 100.0
 
 
 def check_vocabulary(model) -> None:
-    """Refuses a text tower too small for the tokenizer's vocabulary."""
-    vocab_size = model.config.text.vocab_size
-    if vocab_size < VOCAB_SIZE:
-        raise InvalidInput(f"model {model.config.name!r} has a text vocabulary of {vocab_size} tokens, fewer than the "
-                           f"{VOCAB_SIZE} of the tokenizer; it cannot encode prompts or captions")
+    """Refuses a model whose tokenizer is not there or not its text tower's (`model_tokenizer.tokenizer_for`): a
+    text tower too small for CLIP's BPE, a SigLIP tower without its SentencePiece files."""
+    check_vocabulary_of(model.config, tokenizer_for(model.config))
 
 
 def tokenize_for(model, texts: Sequence[str]) -> np.ndarray:
-    """Token ids int32 [N, L] at the model's context length."""
+    """Token ids int32 [N, L] at the model's context length, by the model's own tokenizer."""
     check_vocabulary(model)
-    return tokenize(list(texts), context_length=model.config.text.context_length)
+    return tokenizer_for(model.config)(list(texts))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -107,15 +107,16 @@ def score(args) -> dict:
     from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
     from clip_jax.evaluation.embed import read_model
     from clip_jax.interop.opener import open_model
+    from clip_jax.models.model_tokenizer import tokenizer_for
     from clip_jax.runtime.mesh import create_mesh
-    from clip_jax.tokenizer import tokenize
 
     if args.batch_size < 1:
         raise InvalidInput(f"--batch-size {args.batch_size}: give at least 1")
     opened = open_model(args.checkpoint, args.model, what="--checkpoint")  # what the path holds, said first
     skipped, named = collections.Counter(), []
     samples = open_pairs(args, skipped, named)  # the inputs checked before the weights are read
-    model, params, mean, std = read_model(opened, f"--checkpoint {args.checkpoint}", args.model)
+    model, params, mean, std, resize_mode = read_model(opened, f"--checkpoint {args.checkpoint}", args.model)
+    tokenize = tokenizer_for(model.config)
     mesh = create_mesh(jax.local_devices())
     encoder = ShardedEncoder(model, mesh)
     placed = encoder.place(params)
@@ -124,13 +125,13 @@ def score(args) -> dict:
 
     def tokens(texts):
         with lock:
-            return tokenize(texts, context_length=model.config.text.context_length)
+            return tokenize(texts)
 
     scored, start, last = [], time.perf_counter(), time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, args.workers)) as pool:
         for batch in embed_reader.batches(samples, skipped, pool, batch_size=rows, tokenize=tokens,
                                           image_size=model.config.vision.image_size, num_threads=args.workers,
-                                          named=named):
+                                          named=named, resize_mode=resize_mode):
             n = len(batch.samples)
             image_f = encoder.image_features(placed, shard_rows(normalize(pad_rows(batch.images, rows), mean, std),
                                                                 encoder.mesh))

@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_model(clip_model: str, model_name: str | None):
-    """(model, params, image mean, image std) of what `--clip_model` names."""
+    """(model, params, image mean, image std, resize mode) of what `--clip_model` names."""
     from clip_jax.interop.opener import open_model
 
     return read_model(open_model(clip_model, model_name, what="--clip_model"), f"--clip_model {clip_model}",
@@ -80,8 +80,8 @@ def load_model(clip_model: str, model_name: str | None):
 
 
 def read_model(opened, named: str, model_name: str | None):
-    """(model, params, image mean, image std) of an `OpenedModel`, its variables read now; `named`: the option and
-    path that gave it, for the message when they do not fit the model."""
+    """(model, params, image mean, image std, the eval transform's resize mode) of an `OpenedModel`, its variables
+    read now; `named`: the option and path that gave it, for the message when they do not fit the model."""
     from clip_jax.models import create_model
     from clip_jax.models.variables import eval_variables
 
@@ -89,7 +89,7 @@ def read_model(opened, named: str, model_name: str | None):
         params = eval_variables(**opened.variables())
     except InvalidInput as e:
         raise InvalidInput(f"{named}: {e}" + ("" if model_name else " (--model NAME)")) from None
-    return create_model(opened.config), params, *opened.normalization()
+    return create_model(opened.config), params, *opened.normalization(), opened.resize_mode
 
 
 class Progress:
@@ -128,8 +128,8 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     """Writes this process's parts that are not written yet; returns counts of what it did."""
     import jax
 
+    from clip_jax.models.model_tokenizer import tokenizer_for
     from clip_jax.runtime.mesh import create_mesh
-    from clip_jax.tokenizer import tokenize
 
     embed_parts.check_format(args.input_format)
     if not (args.enable_image or args.enable_text):
@@ -145,7 +145,7 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     if estimate == 0:
         raise MissingInput(f"--input_dataset {args.input_dataset}: no samples found (images with .txt captions)")
     parts = args.output_partition_count or embed_parts.partition_count(estimate, args.write_batch_size)
-    model, params, mean, std = load_model(args.clip_model, args.model)
+    model, params, mean, std, resize_mode = load_model(args.clip_model, args.model)
     record = {"clip_model": os.path.abspath(args.clip_model), "weights": embed_writer.weights_digest(params),
               "input_dataset": args.input_dataset if "://" in args.input_dataset else os.path.abspath(
                   args.input_dataset), "input_format": args.input_format, "parts": parts,
@@ -171,11 +171,12 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     prefix = f"embed (process {process_index}/{process_count}): " if process_count > 1 else "embed: "
     progress = Progress(len(todo), prefix)
     skipped: collections.Counter = collections.Counter()
+    tokenize = tokenizer_for(model.config) if args.enable_text else None  # checked before any part is read
     lock = threading.Lock()  # the tokenizer's cache is not shared between threads
 
     def tokens(texts):
         with lock:
-            return tokenize(texts, context_length=model.config.text.context_length)
+            return tokenize(texts)
 
     config = model.config
     with concurrent.futures.ThreadPoolExecutor(max(1, args.num_prepro_workers)) as pool:
@@ -184,7 +185,7 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
             batches = embed_reader.batches(samples, skipped, pool, batch_size=rows,
                                            image_size=config.vision.image_size if args.enable_image else None,
                                            tokenize=tokens if args.enable_text else None,
-                                           num_threads=args.num_prepro_workers)
+                                           num_threads=args.num_prepro_workers, resize_mode=resize_mode)
             _embed_part(encoder, placed, batches, rows, mean, std, args,
                         embed_parts.part_paths(args.output_folder, part, parts, kinds), progress,
                         embed_parts.part_number(part, parts))

@@ -123,10 +123,11 @@ class _WithImage:
     Grain runs it in its threads."""
 
     image_size: int
+    resize_mode: str = "shortest"
 
     def __call__(self, sample: Sample) -> tuple[Sample, np.ndarray | str]:
         try:
-            return sample, eval_image(sample.image, self.image_size)
+            return sample, eval_image(sample.image, self.image_size, self.resize_mode)
         except transforms.TooManyPixels:
             return sample, skips.TOO_MANY_PIXELS
         except transforms.ImageDecodeError:
@@ -135,12 +136,14 @@ class _WithImage:
 
 def batches(samples: Iterator[Sample], skipped: collections.Counter, pool: concurrent.futures.Executor, *,
             batch_size: int, image_size: int | None, tokenize: Callable | None, num_threads: int = 2,
-            named: list | None = None) -> Iterator[Batch]:
+            named: list | None = None, resize_mode: str = "shortest") -> Iterator[Batch]:
     """Batches of up to `batch_size` samples (fewer where images did not decode): images decoded by `num_threads`
     of Grain's threads, two batches ahead; captions tokenized by `pool`, one batch ahead. `image_size` None: no
-    images, `tokenize` None: no tokens. `named`: where to add (image path, reason) of each image skipped."""
+    images, `tokenize` None: no tokens. `named`: where to add (image path, reason) of each image skipped.
+    `resize_mode`: the eval transform's ("shortest" then a center crop, or a SigLIP folder's "squash")."""
     if image_size:
-        with_images = decoded(samples, _WithImage(image_size), num_threads=num_threads, ahead=2 * batch_size,
+        with_images = decoded(samples, _WithImage(image_size, resize_mode), num_threads=num_threads,
+                              ahead=2 * batch_size,
                               window=4 * batch_size)
     else:
         with_images = ((sample, None) for sample in samples)

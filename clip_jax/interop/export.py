@@ -28,7 +28,6 @@ import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder
-from clip_jax.interop.hf_clip import hf_unsupported
 from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE,
                                                export_config)
 from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
@@ -38,12 +37,25 @@ from clip_jax.runtime import ownership, storage, xla_gpu
 from clip_jax.runtime.run_directory import CHECKPOINTS
 
 
-def preprocess_cfg(image_size: int, mean, std) -> dict:
+def preprocess_cfg(image_size: int, mean, std, resize_mode: str = RESIZE_MODE) -> dict:
     return {"size": int(image_size), "mode": "RGB", "mean": [float(x) for x in mean], "std": [float(x) for x in std],
-            "interpolation": INTERPOLATION, "resize_mode": RESIZE_MODE}
+            "interpolation": INTERPOLATION, "resize_mode": resize_mode}
 
 
-def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, transformers: bool = True) -> str | None:
+def _model_tokenizer(model: CLIPConfig):
+    """The SentencePiece tokenizer a SigLIP model reads (None: CLIP's BPE), its files copied into the export: OpenCLIP
+    reads an exported folder's tokenizer from the folder itself (`local-dir:`), transformers too."""
+    from clip_jax.models.model_tokenizer import tokenizer_for
+    from clip_jax.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    tokenizer = tokenizer_for(model)  # checked: the folder is there and its vocabulary is the model's
+    if tokenizer.folder is None:
+        return None
+    return SentencePieceTokenizer.from_folder(tokenizer.folder, model.text.context_length, clean=tokenizer.clean)
+
+
+def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, transformers: bool = True,
+                     resize_mode: str = RESIZE_MODE) -> str | None:
     """Writes `params` of `model` as an OpenCLIP model folder `out_dir` (created if needed; other files in it are
     left alone, and its files are refused when clip_jax did not write them), and, with `transformers`, as a
     transformers CLIPModel folder too. Returns why the transformers files were not written (None when they were).
@@ -54,27 +66,35 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
     from clip_jax.models.variables import as_variables
 
     state_dict = variables_to_open_clip(as_variables(params), model)
-    skipped = "--no-transformers" if not transformers else hf_unsupported(model)
-    names = [EXPORT_WEIGHTS, EXPORT_CONFIG] + ([] if skipped else list(hf_folder.HF_FILES))
-    ownership.claim(out_dir, names, writing="the export",
+    tokenizer = _model_tokenizer(model)
+    skipped = "--no-transformers" if not transformers else hf_folder.hf_unsupported(model)
+    tokenizer_files = [] if tokenizer is None else list(hf_folder.saved_tokenizer(tokenizer))
+    names = [EXPORT_WEIGHTS, EXPORT_CONFIG, *tokenizer_files] + ([] if skipped else
+                                                                 list(hf_folder.hf_files(model, tokenizer)))
+    ownership.claim(out_dir, dict.fromkeys(names), writing="the export",
                     change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
-    config = export_config(open_clip_model_cfg(model), preprocess_cfg(model.vision.image_size, mean, std), model.name)
+    config = export_config(open_clip_model_cfg(model), preprocess_cfg(model.vision.image_size, mean, std,
+                                                                      resize_mode), model.name)
     with open(os.path.join(out_dir, EXPORT_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
     if skipped:
-        _remove_earlier_hf_files(out_dir)
+        _remove_earlier_hf_files(out_dir, keep=tokenizer_files)
+        if tokenizer is not None:
+            hf_folder.write_tokenizer_files(out_dir, tokenizer)
     else:
-        hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std)
+        hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std, tokenizer=tokenizer,
+                                 resize_mode=resize_mode)
     return skipped
 
 
-def _remove_earlier_hf_files(out_dir: str) -> None:
-    """An earlier export's transformers files in `out_dir` (clip_jax's only) would describe another model."""
+def _remove_earlier_hf_files(out_dir: str, keep=()) -> None:
+    """An earlier export's transformers files in `out_dir` (clip_jax's only) would describe another model; `keep`:
+    the tokenizer files this export writes again."""
     owned = ownership.owned_names(out_dir)
-    for name in hf_folder.HF_FILES:
-        if name in owned and os.path.isfile(os.path.join(out_dir, name)):
+    for name in (*hf_folder.HF_FILES, *hf_folder.SIGLIP_TOKENIZER_FILES):
+        if name in owned and name not in keep and os.path.isfile(os.path.join(out_dir, name)):
             ownership.remove(out_dir, name)
 
 
@@ -98,7 +118,7 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     storage.check_output_folder(out_dir, what="the export", change="give OUT_DIR a folder you can write to",
                                 remote=False)  # before the weights are read
     skipped = export_open_clip(opened.variables(), opened.config, out_dir, mean=mean, std=std,
-                               transformers=transformers)
+                               transformers=transformers, resize_mode=opened.resize_mode)
     return opened.config, skipped
 
 
@@ -122,11 +142,12 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    also = "" if skipped else f", or transformers.CLIPModel.from_pretrained('{args.out_dir}')"
+    kind = "SiglipModel" if hf_folder.hf_model_type(config) == "siglip" else "CLIPModel"
+    also = "" if skipped else f", or transformers.{kind}.from_pretrained('{args.out_dir}')"
     print(f"exported {args.source} ({config.name}, {config.vision.image_size} px) to {args.out_dir}: load it with "
           f"open_clip.create_model_and_transforms('local-dir:{args.out_dir}'){also}")
     if skipped and args.transformers:
-        print(f"note: no transformers files: {config.name} has no CLIPModel counterpart, as {skipped}")
+        print(f"note: no transformers files: {config.name} has no {kind} counterpart, as {skipped}")
     return 0
 
 

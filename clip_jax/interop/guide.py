@@ -50,8 +50,8 @@ def run(args) -> dict:
     import optax
 
     from clip_jax.interop.opener import open_model
+    from clip_jax.models.model_tokenizer import tokenizer_for
     from clip_jax.models import create_model
-    from clip_jax.tokenizer import tokenize
 
     for name, least in (("steps", 1), ("frames", 1), ("cutouts", 0), ("size", 0)):
         if getattr(args, name) < least:
@@ -66,7 +66,7 @@ def run(args) -> dict:
     if size < model_size:
         raise InvalidInput(f"--size {size} is below the model's image size {model_size}")
     variables = opened.variables()
-    tokens = tokenize([args.prompt], context_length=model.config.text.context_length)
+    tokens = tokenizer_for(model.config)([args.prompt])
     text = model.apply(variables, tokens, method="encode_text")[0]
     step_fn = guidance.guidance(model, variables, text, size=model_size, mean=mean, std=std,
                                 num_cutouts=args.cutouts, min_fraction=args.min_fraction)

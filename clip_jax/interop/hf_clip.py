@@ -217,19 +217,24 @@ def to_hf_state_dict(state_dict: Mapping[str, np.ndarray], config: CLIPConfig) -
     return out
 
 
+def check_keys(state_dict: Mapping[str, Any], expected: set[str], what: str) -> None:
+    """Refuses a transformers state_dict whose keys are not `expected`, naming the missing and unexpected ones after
+    `what` (the file and the model it should hold)."""
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        shown = lambda keys: ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")  # noqa
+        problems = [f"{len(k)} {kind}: {shown(k)}" for kind, k in (("missing", missing), ("unexpected", unexpected))
+                    if k]
+        raise InvalidInput(f"{what}: {'; '.join(problems)}")
+
+
 def from_hf_state_dict(state_dict: Mapping[str, Any], config: CLIPConfig, where: str) -> dict[str, np.ndarray]:
     """The OpenCLIP state_dict of `config` from a CLIPModel one (numpy values); a key missing or left over is
     named (the shapes are checked when the OpenCLIP state_dict is converted)."""
     state_dict = {k: v for k, v in state_dict.items() if k not in _BUFFERS}
     expected = {theirs for _, theirs in _renamed(config) + _projections(config)}
     expected |= {f"{p}{n}_proj.{w}" for _, p in _in_projections(config) for n in "qkv" for w in ("weight", "bias")}
-    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-    if missing or unexpected:
-        shown = lambda keys: ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")  # noqa
-        problems = [f"{len(k)} {what}: {shown(k)}" for what, k in (("missing", missing), ("unexpected", unexpected))
-                    if k]
-        raise InvalidInput(f"{where} does not hold the CLIPModel its config.json describes ({config.name}): "
-                           f"{'; '.join(problems)}")
+    check_keys(state_dict, expected, f"{where} does not hold the CLIPModel its config.json describes ({config.name})")
     out = {ours: np.asarray(state_dict[theirs]) for ours, theirs in _renamed(config)}
     for ours, theirs in _in_projections(config):
         for kind in ("weight", "bias"):

@@ -92,11 +92,12 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
 
 
 def get_tokenizer(name_or_config) -> Callable:
-    """`tokenizer(texts) -> int32 [N, context_length]` for the model (OpenAI's BPE, the model's context length)."""
+    """`tokenizer(texts) -> int32 [N, context_length]` for the model: its own (`clip_jax.models.model_tokenizer`:
+    OpenAI's BPE, or a SigLIP model's SentencePiece files), at the model's context length."""
     from clip_jax.interop.opener import open_model
+    from clip_jax.models.model_tokenizer import tokenizer_for
     from clip_jax.models import get_model_config
-    from clip_jax.tokenizer import tokenize
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):
         return open_model(name_or_config[len(LOCAL_DIR):]).tokenizer
-    return functools.partial(tokenize, context_length=get_model_config(name_or_config).text.context_length)
+    return tokenizer_for(get_model_config(name_or_config))

@@ -74,14 +74,18 @@ def export_config(model_cfg: dict, preprocess_cfg: dict, name: str) -> dict:
 
 
 def folder_preprocessing(folder: str) -> dict:
-    """The `mean` and `std` (those it says) an exported folder's model was trained with, from its `preprocess_cfg`;
-    preprocessing clip_jax's transforms do not do is refused."""
+    """The `mean` and `std` (those it says) an exported folder's model was trained with, from its `preprocess_cfg`,
+    and its eval transform's `resize_mode` when it squashes (SigLIP's); preprocessing clip_jax's transforms do not
+    do is refused."""
+    from clip_jax.data.transforms import RESIZE_MODES
+
     saved = read_export_config(folder)[1]
-    for key, ours in (("interpolation", INTERPOLATION), ("resize_mode", RESIZE_MODE)):
-        if saved.get(key, ours) != ours:
+    for key, ours in (("interpolation", (INTERPOLATION,)), ("resize_mode", RESIZE_MODES)):
+        if saved.get(key, ours[0]) not in ours:
             raise InvalidInput(f"{folder}: preprocess_cfg {key}={saved[key]!r}; clip_jax's transforms do "
-                               f"{key} {ours!r} only")
-    return {k: tuple(saved[k]) for k in ("mean", "std") if k in saved}
+                               f"{key} {' or '.join(map(repr, ours))} only")
+    squash = {"resize_mode": "squash"} if saved.get("resize_mode") == "squash" else {}
+    return {**{k: tuple(saved[k]) for k in ("mean", "std") if k in saved}, **squash}
 
 
 def folder_weights_file(folder: str) -> str:

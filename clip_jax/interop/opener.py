@@ -102,7 +102,10 @@ def run_model(run_config) -> CLIPConfig:
         model = get_model_config(run_config.model)
     except MissingInput as e:
         raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
-    return as_trained(model, image_size=run_config.force_image_size, siglip_head=run_config.loss == "siglip",
+    from clip_jax.models.model_tokenizer import with_run_tokenizer
+
+    return as_trained(with_run_tokenizer(model, run_config), image_size=run_config.force_image_size,
+                      siglip_head=run_config.loss == "siglip",
                       patch_dropout=None if force is None or force < 0 else force)
 
 
@@ -216,8 +219,8 @@ class OpenClipFolder(ModelSource):
 
 
 class HfFolder(ModelSource):
-    kind = "a transformers CLIPModel folder"
-    expected = f"a transformers CLIPModel folder ({hf_folder.CONFIG} and {hf_folder.WEIGHTS[0]})"
+    kind = "a transformers CLIPModel folder"  # or SiglipModel folder: the model its config.json names
+    expected = f"a transformers CLIPModel or SiglipModel folder ({hf_folder.CONFIG} and {hf_folder.WEIGHTS[0]})"
 
     @staticmethod
     def holds(path: str) -> bool:
@@ -344,31 +347,38 @@ class OpenedModel:
         return (tuple(mean or self.preprocessing.get("mean") or OPENAI_MEAN),
                 tuple(std or self.preprocessing.get("std") or OPENAI_STD))
 
+    @property
+    def resize_mode(self) -> str:
+        """The eval transform's resize: "shortest" side then a center crop, or "squash" (a SigLIP folder's)."""
+        return self.preprocessing.get("resize_mode", "shortest")
+
     def variables(self) -> dict:
         return self.source.variables(self.config)
 
     @property
     def tokenizer(self):
-        """`tokenizer(texts) -> int32 [N, context_length]` (OpenAI's BPE, the model's context length)."""
-        from clip_jax.tokenizer import tokenize
+        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.models.model_tokenizer`),
+        checked."""
+        from clip_jax.models.model_tokenizer import tokenizer_for
 
-        return functools.partial(tokenize, context_length=self.config.text.context_length)
+        return tokenizer_for(self.config)
 
 
 def open_model(path, model=None, *, what: str = "") -> OpenedModel:
     """The model `path` holds (see the module docstring). `model` (a name, OpenCLIP model config or `CLIPConfig`)
     is the model to read the weights as, fitted to it; None: the one the path holds, which a weights file does not
     say. `what` names the path in an error (a flag: "--pretrained")."""
+    from clip_jax.models.model_tokenizer import with_folder_tokenizer
+
     source = model_source(path, what)
     source.check()
-    if model is not None:
-        return OpenedModel(source, get_model_config(model))
-    config = source.model_config()
+    config = source.model_config() if model is None else get_model_config(model)
     if config is None:
         named = f"{what} {source.path}" if what else source.path
         raise InvalidInput(f"{named} is {source.kind}, which does not say which model it holds: name the model "
                            "(--model NAME, e.g. ViT-L-14)")
-    return OpenedModel(source, config)
+    # a SigLIP folder's tokenizer files are its model's tokenizer, whichever model config reads its weights
+    return OpenedModel(source, with_folder_tokenizer(config, source.path if os.path.isdir(source.path) else None))
 
 
 def load_pretrained(path: str, name_or_config) -> dict:

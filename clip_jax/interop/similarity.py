@@ -34,7 +34,7 @@ from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import ownership, xla_gpu
-from clip_jax.tokenizer import tokenize
+from clip_jax.models.model_tokenizer import tokenizer_for
 
 DEFAULT_MODEL = "ViT-B-32"  # without --checkpoint or --model
 
@@ -137,6 +137,7 @@ def demo_images(args, size: int, mean, std):
 
 def run(args) -> dict:
     model, opened, mean, std = open_checkpoint(args)
+    tokenize = tokenizer_for(model.config)  # checked before any image is read
     texts, size = texts_of(args), model.config.vision.image_size
     if texts is None:
         image_batches, labels, texts = demo_images(args, size, mean, std)
@@ -149,7 +150,7 @@ def run(args) -> dict:
     else:
         variables = init_variables(model, jax.random.key(args.seed))
         print(f"{model.config.name}: freshly initialised (seed {args.seed}); expect chance-level matches")
-    names, probs, kind = match(model, variables, image_batches, tokenize(texts, context_length=model.config.text.context_length))
+    names, probs, kind = match(model, variables, image_batches, tokenize(texts))
     report = {"model": model.config.name, "checkpoint": args.checkpoint, "probabilities": kind, "texts": texts,
               "images": [{"image": n, "probabilities": p.tolist()} for n, p in zip(names, probs)]}
     if args.images is None:

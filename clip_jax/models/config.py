@@ -210,6 +210,14 @@ class TextConfig:
     final_ln_after_pool: bool = False  # ln_final on the pooled token only (the same values: LayerNorm is per token)
     proj_type: str = "linear"  # "none": no text projection, the features are the pooled width-wide vector
     proj_bias: bool = False  # the projection as a Linear with a bias (`text_projection.weight`, `.bias`)
+    # The tokenizer, as OpenCLIP's `hf_tokenizer_name` and `tokenizer_kwargs.clean` name it: None is CLIP's BPE
+    # (`clip_jax.tokenizer`); else a folder holding a SentencePiece tokenizer's files (SigLIP's, SigLIP 2's Gemma),
+    # or the Hub name OpenCLIP's named models give, which clip_jax does not download
+    # (`clip_jax.models.model_tokenizer`).
+    # `tokenizer_clean`: the text cleaning before it ("canonicalize", "lower", "whitespace", "none"; None: the
+    # folder's own tokenizer config's). Neither changes a parameter.
+    tokenizer: str | None = None
+    tokenizer_clean: str | None = None
 
     def __post_init__(self):
         if self.pool_type not in TEXT_POOL_TYPES:

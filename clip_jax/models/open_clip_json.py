@@ -29,13 +29,16 @@ _VISION_KEYS = {
 _TEXT_KEYS = {
     "context_length": "int", "vocab_size": "int", "width": "int", "heads": "int", "layers": "int",
     "mlp_ratio": "float", "embed_cls": "bool", "pad_id": "int", "eos_id": "int", "no_causal_mask": "bool",
-    "pool_type": "str", "final_ln_after_pool": "bool", "proj_type": "str", "proj_bias": "bool", **_BLOCK_KEYS,
+    "pool_type": "str", "final_ln_after_pool": "bool", "proj_type": "str", "proj_bias": "bool",
+    "hf_tokenizer_name": "str?", "tokenizer_kwargs": "dict?", **_BLOCK_KEYS,
 }
+_TOKENIZER_KWARGS = {"clean": "str"}  # OpenCLIP's HFTokenizer cleans "whitespace" when none is given
+_OPEN_CLIP_CLEAN = ("canonicalize", "lower", "whitespace")  # OpenCLIP's modes; clip_jax's tokenizer has more
 # Keys that concern preprocessing or tokenisation only (accepted, no effect on the model), and keys that matter
 # only with a tower we refuse anyway (timm_*, hf_*, attn_pooler_*), or legacy keys OpenCLIP itself never reads.
 _IGNORED_KEYS = {
     "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias", "timm_drop", "timm_drop_path",
-    "hf_model_pretrained", "hf_tokenizer_name", "tokenizer_kwargs", "tokenizer_mode", "proj", "pooler_type",
+    "hf_model_pretrained", "tokenizer_mode", "proj", "pooler_type",
     "image_mean", "image_std", "image_interpolation", "image_resize_mode", "preprocess_cfg", "hf_proj_type",
     "hf_pooler_type", "n_queries", "attn_pooler_heads", "attn_pooler_queries", "output_dim",
 }
@@ -131,7 +134,8 @@ def _check_tower(cfg: Mapping[str, Any], known: Mapping[str, str], where: str) -
         if key in cfg and cfg[key] != default and not (cfg[key] is None and default is False):
             raise InvalidInput(f"{where}.{key}={cfg[key]!r}: {why} (supported: {default!r})")
     _check_types(cfg, known, where)
-    for key, schema in (("norm_kwargs", _NORM_KWARGS), ("act_kwargs", _ACT_KWARGS)):
+    for key, schema in (("norm_kwargs", _NORM_KWARGS), ("act_kwargs", _ACT_KWARGS),
+                        ("tokenizer_kwargs", _TOKENIZER_KWARGS)):
         kwargs = cfg.get(key) or {}
         unknown = set(kwargs) - set(schema)
         if unknown:
@@ -205,6 +209,18 @@ def _block_from_open_clip(cfg: Mapping[str, Any]) -> BlockConfig:
     )
 
 
+def _tokenizer_from_open_clip(t: Mapping[str, Any], where: str) -> dict:
+    """TextConfig's tokenizer fields: the folder or Hub name and its cleaning (OpenCLIP's default "whitespace")."""
+    if not t.get("hf_tokenizer_name"):
+        return {}
+    from clip_jax.sentencepiece_tokenizer import CLEAN_MODES
+
+    clean = (t.get("tokenizer_kwargs") or {}).get("clean", "whitespace")
+    if clean not in CLEAN_MODES:
+        raise InvalidInput(f"{where}.tokenizer_kwargs.clean={clean!r}: choose one of {CLEAN_MODES}")
+    return {"tokenizer": t["hf_tokenizer_name"], "tokenizer_clean": clean}
+
+
 def _mlp_width(width: int, ratio) -> int:
     return int(width * float(ratio))
 
@@ -270,6 +286,7 @@ def config_from_open_clip(cfg: Mapping[str, Any], name: str = UNNAMED) -> CLIPCo
             final_ln_after_pool=t.get("final_ln_after_pool", False),
             proj_type=t.get("proj_type", "linear"),
             proj_bias=t.get("proj_bias", False),
+            **_tokenizer_from_open_clip(t, f"{name}: text_cfg"),
         )
     except KeyError as e:
         raise InvalidInput(f"model config {name!r} lacks required key {e.args[0]!r}") from None
@@ -345,6 +362,10 @@ def open_clip_model_cfg(config: CLIPConfig) -> dict:
                 ("proj_bias", t.proj_bias, False))
     text.update({k: value for k, value, default in optional if value != default})
     text.update(_block_to_open_clip(t.block))
+    if t.tokenizer is not None:  # a cleaning OpenCLIP has no name for stays the folder's (its own files say it)
+        text["hf_tokenizer_name"] = t.tokenizer
+        if t.tokenizer_clean in _OPEN_CLIP_CLEAN:
+            text["tokenizer_kwargs"] = {"clean": t.tokenizer_clean}
 
     out: dict[str, Any] = {"embed_dim": config.embed_dim, "vision_cfg": vision, "text_cfg": text}
     if config.quick_gelu:

@@ -10,9 +10,11 @@ from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import TIMM_SIGLIP, config_from_open_clip
 
-def _siglip(timm_name, width, context_length, vocab_size, heads, layers, mlp_ratio, approximate) -> dict:
-    """OpenCLIP's SigLIP model config: timm's image tower `timm_name`, a text tower as wide as it."""
-    text = {"context_length": context_length, "vocab_size": vocab_size, "width": width, "heads": heads,
+def _siglip(timm_name, tokenizer, width, context_length, vocab_size, heads, layers, mlp_ratio, approximate) -> dict:
+    """OpenCLIP's SigLIP model config: timm's image tower `timm_name`, a text tower as wide as it, the tokenizer
+    OpenCLIP reads from the Hub (`tokenizer`), which clip_jax does not download."""
+    text = {"context_length": context_length, "vocab_size": vocab_size, "hf_tokenizer_name": tokenizer,
+            "tokenizer_kwargs": {"clean": "canonicalize"}, "width": width, "heads": heads,
             "layers": layers, "no_causal_mask": True, "proj_bias": True, "pool_type": "last",
             "norm_kwargs": {"eps": 1e-6}}
     if mlp_ratio != 4.0:
@@ -25,7 +27,8 @@ def _siglip(timm_name, width, context_length, vocab_size, heads, layers, mlp_rat
             "text_cfg": text}
 
 
-# OpenCLIP's model-config JSON, as in open_clip/model_configs/*.json (architecture fields only).
+# OpenCLIP's model-config JSON, as in open_clip/model_configs/*.json (architecture fields, and the SigLIP models'
+# tokenizers).
 _OPEN_CLIP_CONFIGS = {
     "ViT-B-32": {
         "embed_dim": 512,
@@ -68,13 +71,20 @@ _OPEN_CLIP_CONFIGS = {
     # tower pooled at its last token, with a bias beside the scale; SentencePiece vocabularies (SigLIP's 32k, SigLIP
     # 2's Gemma 256k), whose files come with the weights.
     **{name: _siglip(*sizes) for name, sizes in {
-        "ViT-B-16-SigLIP": ("vit_base_patch16_siglip_224", 768, 64, 32000, 12, 12, 4.0, "none"),
-        "ViT-B-16-SigLIP-256": ("vit_base_patch16_siglip_256", 768, 64, 32000, 12, 12, 4.0, "none"),
-        "ViT-L-16-SigLIP-384": ("vit_large_patch16_siglip_384", 1024, 64, 32000, 16, 24, 4.0, "none"),
-        "ViT-SO400M-14-SigLIP": ("vit_so400m_patch14_siglip_224", 1152, 16, 32000, 16, 27, 3.7362, "none"),
-        "ViT-B-16-SigLIP2": ("vit_base_patch16_siglip_224", 768, 64, 256000, 12, 12, 4.0, "tanh"),
-        "ViT-B-16-SigLIP2-256": ("vit_base_patch16_siglip_256", 768, 64, 256000, 12, 12, 4.0, "tanh"),
-        "ViT-SO400M-16-SigLIP2-384": ("vit_so400m_patch16_siglip_384", 1152, 64, 256000, 16, 27, 3.7362, "tanh"),
+        "ViT-B-16-SigLIP": ("vit_base_patch16_siglip_224", "timm/ViT-B-16-SigLIP", 768, 64, 32000, 12, 12, 4.0,
+                            "none"),
+        "ViT-B-16-SigLIP-256": ("vit_base_patch16_siglip_256", "timm/ViT-B-16-SigLIP", 768, 64, 32000, 12, 12, 4.0,
+                                "none"),
+        "ViT-L-16-SigLIP-384": ("vit_large_patch16_siglip_384", "timm/ViT-B-16-SigLIP", 1024, 64, 32000, 16, 24,
+                                4.0, "none"),
+        "ViT-SO400M-14-SigLIP": ("vit_so400m_patch14_siglip_224", "timm/ViT-B-16-SigLIP", 1152, 16, 32000, 16, 27,
+                                 3.7362, "none"),
+        "ViT-B-16-SigLIP2": ("vit_base_patch16_siglip_224", "timm/ViT-B-16-SigLIP2", 768, 64, 256000, 12, 12, 4.0,
+                             "tanh"),
+        "ViT-B-16-SigLIP2-256": ("vit_base_patch16_siglip_256", "timm/ViT-B-16-SigLIP2-256", 768, 64, 256000, 12,
+                                 12, 4.0, "tanh"),
+        "ViT-SO400M-16-SigLIP2-384": ("vit_so400m_patch16_siglip_384", "timm/ViT-SO400M-16-SigLIP2-384", 1152, 64,
+                                      256000, 16, 27, 3.7362, "tanh"),
     }.items()},
     # ModifiedResNet image towers (a list of 4 `layers`)
     "RN50": {

@@ -24,6 +24,7 @@ import numpy as np
 from clip_jax.evaluation.evaluator import EvalSetting, Evaluator
 from clip_jax.models import create_model, get_model_config
 from clip_jax.models.config import as_trained
+from clip_jax.models.model_tokenizer import with_run_tokenizer
 from clip_jax.runtime.stop_signals import CutShort, never
 
 ZEROSHOT, VALIDATION, LINEAR_PROBE = "zeroshot", "validation", "linear_probe"
@@ -35,7 +36,7 @@ PROBE_VAL_PROPORTION = 0.2  # the share of the train split the probe's weight de
 def eval_model(config):
     """The model a training config's evaluations run: the model at the run's image size (its params are the run's;
     the sigmoid loss's logit_bias and patch dropout play no part in an evaluation)."""
-    return as_trained(get_model_config(config.model), image_size=config.force_image_size)
+    return as_trained(with_run_tokenizer(get_model_config(config.model), config), image_size=config.force_image_size)
 
 
 def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:

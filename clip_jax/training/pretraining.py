@@ -11,6 +11,7 @@ import numpy as np
 
 from clip_jax import data
 from clip_jax.models.flops import train_flops
+from clip_jax.models.model_tokenizer import tokenizer_for
 from clip_jax.models.precision import check_fp8
 from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
 from clip_jax.runtime.run_directory import RUN_ENTRIES
@@ -41,6 +42,7 @@ class ClipPretraining:
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         # so does a model file that cannot be read, before the demo's shards are written
         self.platform_spec = StepSpec.from_config(config, platform=jax.devices()[0].platform)
+        tokenizer_for(self.platform_spec.model)  # a SigLIP model's tokenizer files: there, and its vocabulary
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
 
     def written_entries(self) -> list[str]:
@@ -68,7 +70,8 @@ class ClipPretraining:
             data.TrainDataConfig.from_run_config(config, seed=seed), shard_list=self.shards,
             global_batch_size=self.schedule.global_batch, image_size=model.vision.image_size,
             mean=tuple(config.image_mean), std=tuple(config.image_std), process_index=jax.process_index(),
-            process_count=jax.process_count(), context_length=model.text.context_length)
+            process_count=jax.process_count(), context_length=model.text.context_length,
+            tokenize=tokenizer_for(model))
 
     def fresh_state(self, step, say):
         if not self.config.pretrained:

@@ -31,6 +31,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import as_trained
 from clip_jax.models.layers import choose_attention_impl
+from clip_jax.models.model_tokenizer import with_run_tokenizer
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
 from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
@@ -178,7 +179,8 @@ class StepSpec:
         precision = precision or config.precision
         optimizer = OptimizerSpec.from_config(config, total_steps)
         force_patch_dropout = config.force_patch_dropout  # -1: the model config's rate
-        return cls.for_model(config.model, precision, config.remat_policy if config.grad_checkpointing else "none",
+        model = with_run_tokenizer(get_model_config(config.model), config)  # the tokenizer changes no parameter
+        return cls.for_model(model, precision, config.remat_policy if config.grad_checkpointing else "none",
                              choose_attention_impl(config.attention_impl, platform,
                                                    get_policy(precision).compute_dtype),
                              image_size=config.force_image_size, fsdp=bool(config.fsdp), loss=config.loss,

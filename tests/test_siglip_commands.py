@@ -1,0 +1,131 @@
+"""A transformers SiglipModel folder (saved with its image processor and a SentencePiece tokenizer) is a checkpoint
+the commands take as is: `embed` gives transformers' embeddings of non-square images and their captions, `zeroshot`
+transformers' predictions, each through the folder's own tokenizer; a tokenizer that is missing, on the Hub, or
+another model's is one line before anything compiles."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from clip_jax.data import fashion_mnist
+from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.evaluation import embed, zeroshot
+from clip_jax.models import get_model_config
+from clip_jax.models.model_tokenizer import tokenizer_for
+from clip_jax.sentencepiece_tokenizer import train_sentencepiece
+
+CAPTIONS = ["a red Dress, on a model!", "two ankle boots", "A bag; leather (brown)", "trousers 2024", "a shirt"]
+SIZES = [(37, 53), (64, 48), (101, 40), (31, 90), (50, 20)]  # (height, width): none square
+LIMIT = 256  # demo test images
+DEMO_MODEL = pathlib.Path(__file__).resolve().parent.parent / "configs" / "models" / "demo-tiny.json"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny SiglipModel transformers wrote, beside its SiglipImageProcessor and a SigLIP-style vocabulary trained
+    on the demo's captions and prompts; (folder, the model, transformers' tokenizer and image processor)."""
+    root = tmp_path_factory.mktemp("siglip")
+    texts = fashion_mnist.captions(np.arange(3000) % 10, seed=0) + CAPTIONS
+    texts += [p for name in fashion_mnist.CLASS_NAMES for p in fashion_mnist.zeroshot_prompts(name)]
+    vocab = train_sentencepiece(texts, root / "vocab", 300, "siglip", context_length=16)
+    config = transformers.SiglipConfig(
+        text_config={"vocab_size": vocab.vocab_size, "hidden_size": 48, "intermediate_size": 96,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 48, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 32, "patch_size": 8})
+    torch.manual_seed(0)
+    model = transformers.SiglipModel(config).eval()
+    with torch.no_grad():  # norms, biases, the probe and positions off their init
+        for name, p in model.named_parameters():
+            if p.ndim < 2 or name.endswith(("bias", "probe", "position_embedding.weight")):
+                p.add_(0.2 * torch.randn_like(p))
+    path = root / "tiny-siglip"
+    model.save_pretrained(str(path))
+    transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(str(path))
+    for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(root / "vocab" / name, path / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    return path, model, tokenizer, transformers.SiglipImageProcessorPil.from_pretrained(str(path))
+
+
+def _unit(x):
+    x = np.asarray(x, np.float64)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _transformers_features(model, tokenizer, processor, images=None, texts=None):
+    with torch.no_grad():
+        if images is not None:
+            pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+            return _unit(model.get_image_features(pixel_values=pixels).pooler_output.numpy())
+        ids = tokenizer(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+        return _unit(model.get_text_features(input_ids=ids["input_ids"]).pooler_output.numpy())
+
+
+def test_embed_gives_transformers_embeddings_of_non_square_images_and_their_captions(folder, tmp_path):
+    path, model, tokenizer, processor = folder
+    data, out = tmp_path / "images", tmp_path / "out"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    for i, (image, caption) in enumerate(zip(images, CAPTIONS)):
+        image.save(data / f"{i:03d}.png")
+        (data / f"{i:03d}.txt").write_text(caption)
+    assert embed.main(["--input_dataset", str(data), "--output_folder", str(out), "--clip_model", str(path),
+                       "--batch_size", "8"]) == 0
+    image_emb, text_emb = np.load(out / "img_emb" / "img_emb_0.npy"), np.load(out / "text_emb" / "text_emb_0.npy")
+    expected_image = _transformers_features(model, tokenizer, processor, images=images)
+    expected_text = _transformers_features(model, tokenizer, processor, texts=CAPTIONS)
+    assert np.min(np.sum(_unit(image_emb) * expected_image, axis=1)) >= 0.9999
+    assert np.min(np.sum(_unit(text_emb) * expected_text, axis=1)) >= 0.9999
+
+
+def test_zeroshot_makes_transformers_predictions(folder, tmp_path):
+    path, model, tokenizer, processor = folder
+    output = tmp_path / "zeroshot.json"
+    assert zeroshot.main(["--checkpoint", str(path), "--demo", "--limit", str(LIMIT), "--no-progress",
+                          "--output", str(output)]) == 0
+    ours = json.loads(output.read_text())["results"]["fashion-mnist:test"]
+
+    grey, labels = fashion_mnist.load("test")
+    images = [Image.fromarray(x).convert("RGB") for x in grey[:LIMIT]]
+    image_f = _transformers_features(model, tokenizer, processor, images=images)
+    classes = np.stack([_unit(_transformers_features(model, tokenizer, processor,
+                                                     texts=fashion_mnist.zeroshot_prompts(name)).mean(axis=0))
+                        for name in fashion_mnist.CLASS_NAMES])
+    ranked = np.argsort(-(image_f @ classes.T), axis=1)  # no bias: it shifts every class alike
+    top1 = np.mean(ranked[:, 0] == labels[:LIMIT])
+    top5 = np.mean(np.any(ranked[:, :5] == labels[:LIMIT, None], axis=1))
+    assert (ours["top1"], ours["top5"]) == pytest.approx((top1, top5), abs=1e-9)
+    assert 0 < top1 < 1  # a random model: a check that can tell predictions apart
+
+
+def test_a_tokenizer_that_is_not_there_or_is_another_models_is_one_line(folder, tmp_path, capsys):
+    path = folder[0]
+    assert zeroshot.main(["--model", "ViT-B-16-SigLIP", "--demo", "--limit", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "timm/ViT-B-16-SigLIP is a Hugging Face Hub name, which clip_jax does not download" in error
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    siglip = json.loads((path / "config.json").read_text())
+    config = get_model_config({"embed_dim": 48, "init_logit_bias": -10.0, "custom_text": True,
+                               "vision_cfg": {"image_size": 32, "layers": 1, "width": 48, "patch_size": 8,
+                                              "head_width": 12, "pool_type": "map", "no_ln_pre": True},
+                               "text_cfg": {"context_length": 16, "vocab_size": siglip["text_config"]["vocab_size"],
+                                            "width": 48, "heads": 2, "layers": 1, "pool_type": "last",
+                                            "no_causal_mask": True, "proj_bias": True,
+                                            "hf_tokenizer_name": str(empty)}})
+    with pytest.raises(MissingInput, match=f"{empty} holds no tokenizer"):
+        tokenizer_for(config)
+    demo = json.loads(DEMO_MODEL.read_text())  # CLIP's vocabulary, given the SigLIP folder's tokenizer
+    clip = get_model_config({**demo, "text_cfg": {**demo["text_cfg"], "hf_tokenizer_name": str(path)}})
+    with pytest.raises(InvalidInput, match=r"tokens but .*text tower 49,408: it is another model's"):
+        tokenizer_for(clip)
