@@ -129,3 +129,38 @@ def test_a_tokenizer_that_is_not_there_or_is_another_models_is_one_line(folder, 
     clip = get_model_config({**demo, "text_cfg": {**demo["text_cfg"], "hf_tokenizer_name": str(path)}})
     with pytest.raises(InvalidInput, match=r"tokens but .*text tower 49,408: it is another model's"):
         tokenizer_for(clip)
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_the_folder_with_its_tokenizer_and_exports_what_transformers_loads(folder, tmp_path,
+                                                                                             fashion_mnist_shards):
+    """Pretrained from the SiglipModel folder (weights and tokenizer), the sigmoid loss, zero-shot at the end, then
+    exported: transformers loads the export (its tokenizer included) with the run's embeddings."""
+    from trainer_run import tiny_config
+
+    from clip_jax.interop import hf_folder
+    from clip_jax.interop.export import export
+    from clip_jax.interop.opener import open_model
+    from clip_jax.models import create_model
+    from clip_jax.models.open_clip_json import open_clip_model_cfg
+    from clip_jax.training import trainer as train_lib
+
+    path, _, tokenizer, processor = folder
+    model_file = tmp_path / "tiny-siglip.json"  # the folder's architecture, as a run's config names a model
+    model_file.write_text(json.dumps(open_clip_model_cfg(hf_folder.hf_model_config(str(path)))))
+    pattern, _ = fashion_mnist_shards(512)
+    results = train_lib.train(tiny_config((pattern, str(model_file)), tmp_path, train_num_samples=512,
+                                          loss="siglip", pretrained=str(path), zeroshot_data="demo",
+                                          zeroshot_samples=256))
+    assert 0 <= results["zeroshot_top1"] <= 1
+
+    run = open_model(str(tmp_path / "run"))
+    assert run.config.text.tokenizer == str(path)  # the run reads the pretrained folder's tokenizer
+    export(str(tmp_path / "run"), str(tmp_path / "exported"))
+    reference = transformers.SiglipModel.from_pretrained(str(tmp_path / "exported")).eval()
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
+    assert exported(CAPTIONS)["input_ids"] == tokenizer(CAPTIONS)["input_ids"]
+    ids = np.asarray(exported(CAPTIONS, padding="max_length", max_length=16, truncation=True)["input_ids"])
+    ours = create_model(run.config).apply(run.variables(), ids, method="encode_text")
+    expected = _transformers_features(reference, exported, processor, texts=CAPTIONS)
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-5)
