@@ -164,3 +164,6 @@ def test_a_run_starts_from_the_folder_with_its_tokenizer_and_exports_what_transf
     ours = create_model(run.config).apply(run.variables(), ids, method="encode_text")
     expected = _transformers_features(reference, exported, processor, texts=CAPTIONS)
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-5)
+    again = open_model(str(tmp_path / "exported"))  # as OpenCLIP's folder, its tokenizer the one beside it
+    assert again.config.text.tokenizer == str(tmp_path / "exported")
+    np.testing.assert_array_equal(again.tokenizer(CAPTIONS), ids)

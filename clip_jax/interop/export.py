@@ -42,6 +42,13 @@ def preprocess_cfg(image_size: int, mean, std, resize_mode: str = RESIZE_MODE) -
             "interpolation": INTERPOLATION, "resize_mode": resize_mode}
 
 
+# The cleaning OpenCLIP names nearest to each of clip_jax's that it has no name for: transformers' SiglipTokenizer
+# lowercases and strips punctuation as "canonicalize" does (which also fixes text with ftfy, unescapes HTML and reads
+# "_" as a space); its cased form and Gemma's "none" keep the case, as "whitespace" does (which strips no
+# punctuation and collapses whitespace). The export's transformers files keep the tokenizer's own cleaning.
+OPEN_CLIP_CLEAN = {"siglip": "canonicalize", "siglip-cased": "whitespace", "none": "whitespace"}
+
+
 def _model_tokenizer(model: CLIPConfig):
     """The SentencePiece tokenizer a SigLIP model reads (None: CLIP's BPE), its files copied into the export: OpenCLIP
     reads an exported folder's tokenizer from the folder itself (`local-dir:`), transformers too."""
@@ -74,8 +81,10 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
     ownership.claim(out_dir, dict.fromkeys(names), writing="the export",
                     change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
-    config = export_config(open_clip_model_cfg(model), preprocess_cfg(model.vision.image_size, mean, std,
-                                                                      resize_mode), model.name)
+    model_cfg = open_clip_model_cfg(model)
+    if tokenizer is not None:  # OpenCLIP cleans as the config says, "whitespace" when it says nothing
+        model_cfg["text_cfg"]["tokenizer_kwargs"] = {"clean": OPEN_CLIP_CLEAN.get(tokenizer.clean, tokenizer.clean)}
+    config = export_config(model_cfg, preprocess_cfg(model.vision.image_size, mean, std, resize_mode), model.name)
     with open(os.path.join(out_dir, EXPORT_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")

@@ -14,8 +14,6 @@ import dataclasses
 import functools
 import os
 
-import numpy as np
-
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.models.config import CLIPConfig
 
@@ -118,8 +116,3 @@ def check_vocabulary(config: CLIPConfig, tokenizer: ModelTokenizer, where: str =
                            f"{TOKENIZER_FIX})")
     raise InvalidInput(f"the tokenizer in {where} has {theirs:,} tokens but {config.name}'s text tower {ours:,}: it "
                        "is another model's; give the model its own tokenizer")
-
-
-def token_ids(config: CLIPConfig, texts) -> np.ndarray:
-    """int32 [N, context_length]: `texts` as `config`'s text tower reads them."""
-    return tokenizer_for(config)(list(texts))
