@@ -20,21 +20,21 @@ from clip_jax.tokenizer import EOT_ID, SOT_ID, VOCAB_SIZE
 
 MODEL_TYPE = "clip"  # config.json's `model_type` of a CLIPModel folder
 # transformers' names of the activations clip_jax builds: OpenAI's QuickGELU, torch's exact and tanh GELU.
-_QUICK_GELU, _ACTIVATIONS = "quick_gelu", {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
+QUICK_GELU, ACTIVATIONS = "quick_gelu", {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 _DEFAULT_LOGIT_SCALE = math.log(1 / 0.07)
 _HF_LOGIT_SCALE = 2.6592  # CLIPConfig's default logit_scale_init_value: ln(1/0.07) rounded
 # CLIPConfig's defaults for the keys a config.json may leave out (transformers' CLIPTextConfig / CLIPVisionConfig).
 _TEXT_DEFAULTS = {"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 12,
-                  "num_attention_heads": 8, "max_position_embeddings": 77, "hidden_act": _QUICK_GELU,
+                  "num_attention_heads": 8, "max_position_embeddings": 77, "hidden_act": QUICK_GELU,
                   "layer_norm_eps": 1e-5, "eos_token_id": 2}
 _VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-                    "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": _QUICK_GELU,
+                    "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": QUICK_GELU,
                     "layer_norm_eps": 1e-5}
 # Keys of a CLIPModel state_dict that hold no weights (older transformers saved the position ids buffers).
 _BUFFERS = ("text_model.embeddings.position_ids", "vision_model.embeddings.position_ids")
 
 
-def _block_unsupported(block: BlockConfig, tower: str) -> str | None:
+def block_unsupported(block: BlockConfig, tower: str) -> str | None:
     if block.custom or block.ls_init_value is not None:
         options = block.custom_options() + (["ls_init_value"] if block.ls_init_value is not None else [])
         return f"its {tower} blocks use OpenCLIP's custom-block options {options or ['block_type=custom']}"
@@ -49,7 +49,7 @@ def hf_unsupported(config: CLIPConfig) -> str | None:
         return "its image tower is a ResNet (CLIPModel's is a ViT)"
     v, t = config.vision, config.text
     reasons = [
-        _block_unsupported(v.block, "image"), _block_unsupported(t.block, "text"),
+        block_unsupported(v.block, "image"), block_unsupported(t.block, "text"),
         "it has no LayerNorm before the image blocks (no_ln_pre)" if v.no_ln_pre else None,
         f"its image tower pools {v.pool_type!r} (CLIPModel: the class token)" if v.pool_type != "tok" else None,
         "it has a logit_bias (a SigLIP head)" if config.init_logit_bias is not None else None,
@@ -68,7 +68,7 @@ def hf_unsupported(config: CLIPConfig) -> str | None:
 
 
 def _activation(config: CLIPConfig, block: BlockConfig) -> str:
-    return _QUICK_GELU if config.quick_gelu else _ACTIVATIONS[block.gelu_approximate]
+    return QUICK_GELU if config.quick_gelu else ACTIVATIONS[block.gelu_approximate]
 
 
 def hf_config(config: CLIPConfig) -> dict:
@@ -108,14 +108,14 @@ def _sub_config(cfg: Mapping[str, Any], key: str, defaults: dict, where: str) ->
     return merged
 
 
-def _block_from_act(act: str, eps: float, where: str) -> tuple[BlockConfig, bool]:
+def block_from_act(act: str, eps: float, where: str) -> tuple[BlockConfig, bool]:
     """(the block, whether it is QuickGELU) of a tower whose `hidden_act` is `act`."""
-    if act == _QUICK_GELU:
+    if act == QUICK_GELU:
         return BlockConfig(norm_eps=float(eps)), True
-    approximate = {name: key for key, name in _ACTIVATIONS.items()}.get(act)
+    approximate = {name: key for key, name in ACTIVATIONS.items()}.get(act)
     if approximate is None:
         raise InvalidInput(f"{where}: hidden_act={act!r} is not built by clip_jax (it builds "
-                           f"{sorted([_QUICK_GELU, *_ACTIVATIONS.values()])})")
+                           f"{sorted([QUICK_GELU, *ACTIVATIONS.values()])})")
     return BlockConfig(norm_eps=float(eps), gelu_approximate=approximate), False
 
 
@@ -130,8 +130,8 @@ def config_from_hf(cfg: Mapping[str, Any], name: str = "custom", where: str = "c
         raise InvalidInput(f"{where}: vision_config.num_channels={v['num_channels']}; clip_jax's models take RGB")
     if not isinstance(v["image_size"], int) or not isinstance(v["patch_size"], int):
         raise InvalidInput(f"{where}: non-square image_size / patch_size are not supported")
-    v_block, v_quick = _block_from_act(v["hidden_act"], v["layer_norm_eps"], f"{where}: vision_config")
-    t_block, t_quick = _block_from_act(t["hidden_act"], t["layer_norm_eps"], f"{where}: text_config")
+    v_block, v_quick = block_from_act(v["hidden_act"], v["layer_norm_eps"], f"{where}: vision_config")
+    t_block, t_quick = block_from_act(t["hidden_act"], t["layer_norm_eps"], f"{where}: text_config")
     if v_quick != t_quick:
         raise InvalidInput(f"{where}: one tower is QuickGELU and the other not ({v['hidden_act']!r} / "
                            f"{t['hidden_act']!r}); clip_jax's quick_gelu is the whole model's")

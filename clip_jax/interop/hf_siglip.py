@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from clip_jax.errors import InvalidInput
-from clip_jax.interop.hf_clip import _ACTIVATIONS, _QUICK_GELU, _block_from_act, _block_unsupported, check_keys
+from clip_jax.interop.hf_clip import ACTIVATIONS, QUICK_GELU, block_from_act, block_unsupported, check_keys
 from clip_jax.models.config import SIGLIP_INIT_LOGIT_BIAS, CLIPConfig, TextConfig, VisionConfig, is_resnet
 
 MODEL_TYPE = "siglip"  # config.json's `model_type` of a SiglipModel folder
@@ -55,7 +55,7 @@ def hf_unsupported(config: CLIPConfig) -> str | None:
     reasons = [
         f"its image tower pools {v.pool_type!r} (SiglipModel's: attention from a learned probe, 'map')"
         if not v.attention_pool else None,
-        _block_unsupported(v.block, "image"), _block_unsupported(t.block, "text"),
+        block_unsupported(v.block, "image"), block_unsupported(t.block, "text"),
         "it has a LayerNorm before the image blocks (ln_pre; SiglipModel has none)" if not v.no_ln_pre else None,
         "it has no logit_bias (SiglipModel's head has one)" if config.init_logit_bias is None else None,
         "its text tower has a class embedding (embed_cls)" if t.embed_cls else None,
@@ -74,7 +74,7 @@ def _refuse_unsupported(config: CLIPConfig) -> None:
 
 
 def _activation(config: CLIPConfig, approximate: str) -> str:
-    return _QUICK_GELU if config.quick_gelu else _ACTIVATIONS[approximate]
+    return QUICK_GELU if config.quick_gelu else ACTIVATIONS[approximate]
 
 
 def hf_config(config: CLIPConfig) -> dict:
@@ -158,8 +158,8 @@ def config_from_hf(cfg: Mapping[str, Any], name: str = "custom", where: str = "c
     initialised as OpenCLIP's SigLIP model configs say (logit_bias -10)."""
     _check_model_type(cfg, where)
     t, v = _towers(cfg, where)
-    v_block, v_quick = _block_from_act(v["hidden_act"], v["layer_norm_eps"], f"{where}: vision_config")
-    t_block, t_quick = _block_from_act(t["hidden_act"], t["layer_norm_eps"], f"{where}: text_config")
+    v_block, v_quick = block_from_act(v["hidden_act"], v["layer_norm_eps"], f"{where}: vision_config")
+    t_block, t_quick = block_from_act(t["hidden_act"], t["layer_norm_eps"], f"{where}: text_config")
     if v_quick != t_quick:
         raise InvalidInput(f"{where}: one tower is QuickGELU and the other not ({v['hidden_act']!r} / "
                            f"{t['hidden_act']!r}); clip_jax's quick_gelu is the whole model's")
