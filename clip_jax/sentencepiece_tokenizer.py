@@ -48,6 +48,7 @@ import numpy as np
 import tokenizers
 
 from clip_jax.errors import InvalidInput, MissingInput, require_extra
+from clip_jax.tokenizer import check_captions, is_plain_ascii
 
 CONTEXT_LENGTH = 64  # SigLIP's and SigLIP 2's text length
 TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model")  # in the order they are looked for
@@ -56,7 +57,6 @@ STYLES = ("siglip", "gemma")
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 _WHITESPACE = re.compile(r"\s+")  # the same characters as str.isspace
-_PLAIN_ASCII = re.compile(r"[\t\n\x20-\x7e]*")
 _SANE_MAX_LENGTH = 1 << 20  # transformers writes model_max_length = 1e30 for "no limit"
 
 # What transformers 5 assumes when a folder's config does not say.
@@ -75,9 +75,7 @@ def clean_text(text: str, mode: str) -> str:
     if mode in ("siglip", "siglip-cased"):
         text = text.lower() if mode == "siglip" else text
         return " ".join(text.translate(_PUNCTUATION).split())
-    # ftfy.fix_text and html.unescape return printable ASCII (tabs and newlines too) unchanged when each "&" in it is
-    # followed by a space: both look for other characters, or an entity after an "&".
-    if _PLAIN_ASCII.fullmatch(text) is None or "&" in text.replace("& ", ""):
+    if not is_plain_ascii(text):  # else ftfy and HTML unescaping leave it as it is
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     text = text.strip()
     if mode == "canonicalize":
@@ -118,7 +116,7 @@ class SentencePieceTokenizer:
         """Token ids of `texts`, int32 [N, context_length] (N = 1 for a single str; the tokenizer's own length when
         None). With `return_truncated=True` also returns bool [N]: whether a caption lost tokens to the length."""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        _check_captions(texts)
+        check_captions(texts, who="the tokenizer")
         length = self.context_length if context_length is None else _check_context_length(context_length)
         room = length - len(self._prefix) - len(self._suffix)  # for text tokens
         if room < 0:
@@ -209,7 +207,7 @@ def train_sentencepiece(
         raise InvalidInput(f"style must be one of {', '.join(STYLES)}, got {style!r}")
     clean = _check_clean(clean or ("siglip" if style == "siglip" else "none"))
     captions = list(captions)
-    _check_captions(captions)
+    check_captions(captions, who="train_sentencepiece")
     cleaned = [text for text in (clean_text(caption, clean) for caption in captions) if text]
     if not cleaned:
         raise InvalidInput(f"none of the {len(captions)} captions has text left after cleaning ({clean!r}); "
@@ -388,10 +386,3 @@ def _check_context_length(context_length: int) -> int:
         raise InvalidInput(f"context_length must be a positive int, got {context_length!r}")
     return context_length
 
-
-def _check_captions(texts: list) -> None:
-    if all(isinstance(text, str) for text in texts):
-        return
-    index, bad = next((i, t) for i, t in enumerate(texts) if not isinstance(t, str))
-    hint = " (decode bytes first, e.g. caption.decode('utf-8'))" if isinstance(bad, bytes) else ""
-    raise TypeError(f"the tokenizer expects str captions; caption {index} is {type(bad).__name__}{hint}")

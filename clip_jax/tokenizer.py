@@ -55,7 +55,7 @@ def tokenize(
     With `return_truncated=True` also returns bool [N]: whether a caption lost tokens to the context length.
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
-    _check_captions(texts)
+    check_captions(texts)
     if context_length < 2:
         raise InvalidInput(f"context_length must be at least 2 (room for SOT and EOT), got {context_length}")
 
@@ -84,17 +84,18 @@ def tokenize(
     return out
 
 
-def _check_captions(texts: list[str]) -> None:
+def check_captions(texts: list, who: str = "tokenize") -> None:
+    """Refuses a caption that is not a str (bytes: decode them first), naming its index; `who` names the caller."""
     if all(isinstance(text, str) for text in texts):
         return
     index, bad = next((i, t) for i, t in enumerate(texts) if not isinstance(t, str))
     hint = " (decode bytes first, e.g. caption.decode('utf-8'))" if isinstance(bad, bytes) else ""
-    raise TypeError(f"tokenize expects str captions; caption {index} is {type(bad).__name__}{hint}")
+    raise TypeError(f"{who} expects str captions; caption {index} is {type(bad).__name__}{hint}")
 
 
 def _clean_chunks(text: str, max_chunks: int) -> list[str]:
     """The caption cleaned as OpenCLIP cleans it, split at its single spaces; at most `max_chunks` chunks."""
-    if _is_plain_ascii(text):
+    if is_plain_ascii(text):
         chunks = text.lower().split()
     else:
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
@@ -103,7 +104,7 @@ def _clean_chunks(text: str, max_chunks: int) -> list[str]:
     return chunks[:max_chunks] if len(chunks) > max_chunks else chunks
 
 
-def _is_plain_ascii(text: str) -> bool:
+def is_plain_ascii(text: str) -> bool:
     """True if ftfy.fix_text and html.unescape both return `text` unchanged.
 
     They do for printable ASCII, tabs and newlines (every ftfy fix but entity decoding looks for other

@@ -59,8 +59,8 @@ def _pixels(images, mode="squash"):
 
 
 class ToyTokenizer:
-    """A SentencePiece tokenizer trained here, saved with transformers' SiglipTokenizer: the `tokenizer` argument
-    of `write_hf_files` (an object with `save(folder)`)."""
+    """A SentencePiece tokenizer trained here, saved with transformers' SiglipTokenizer: an object with
+    `save(folder)`, whose files `hf_folder.saved_tokenizer` gives to `write_hf_files`."""
 
     def __init__(self, folder):
         import sentencepiece
@@ -98,15 +98,16 @@ def ours(tmp_path_factory):
     folder = tmp_path_factory.mktemp("siglip") / "export"
     folder.mkdir()
     tokenizer = ToyTokenizer(tmp_path_factory.mktemp("tokenizer"))
-    names = hf_folder.hf_files(config, tokenizer)
+    tokenizer_files = hf_folder.saved_tokenizer(tokenizer)
+    names = hf_folder.hf_files(config, tokenizer_files)
     hf_folder.write_hf_files(str(folder), convert.to_open_clip(params, config), config, mean=MEAN, std=STD,
-                             tokenizer=tokenizer, resize_mode="squash")
+                             tokenizer_files=tokenizer_files, resize_mode="squash")
     assert sorted(os.listdir(folder)) == sorted(names)
     assert names == ("config.json", "model.safetensors", "preprocessor_config.json", "spiece.model",
                      "tokenizer_config.json")
-    # written again over them (an export of the same folder again): the tokenizer saves elsewhere first
+    # written again over them (an export of the same folder again)
     hf_folder.write_hf_files(str(folder), convert.to_open_clip(params, config), config, mean=MEAN, std=STD,
-                             tokenizer=tokenizer, resize_mode="squash")
+                             tokenizer_files=tokenizer_files, resize_mode="squash")
     return folder, config, model, params
 
 

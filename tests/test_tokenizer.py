@@ -136,7 +136,7 @@ def test_ftfy_and_html_unescape_leave_plain_ascii_unchanged():
     sampled = ["".join(rng.choice(tricky) for _ in range(rng.randint(1, 40))) for _ in range(3000)]
     printable = [chr(c) for c in range(32, 127)] + ["\t", "\n", "& "] * 5
     sampled += ["".join(rng.choice(printable) for _ in range(rng.randint(1, 80))) for _ in range(3000)]
-    accepted = [s for s in exhaustive + sampled if tokenizer._is_plain_ascii(s)]
+    accepted = [s for s in exhaustive + sampled if tokenizer.is_plain_ascii(s)]
     assert len(accepted) > 18_000
     for text in accepted:
         assert ftfy.fix_text(text) == text == html.unescape(html.unescape(text)), repr(text)
@@ -145,8 +145,8 @@ def test_ftfy_and_html_unescape_leave_plain_ascii_unchanged():
 def test_plain_ascii_shortcut_declines_what_cleaning_might_change():
     changed = ["&amp;", "a &lt;b", "&#39;", "&x", "trailing &", "a\rb", "\x1b[31m", "a\x00b", "a\x0bb", "é"]
     for text in changed:
-        assert not tokenizer._is_plain_ascii(text), repr(text)
-    assert tokenizer._is_plain_ascii("Black & White\tphoto\n(2 pack), 50% off!")
+        assert not tokenizer.is_plain_ascii(text), repr(text)
+    assert tokenizer.is_plain_ascii("Black & White\tphoto\n(2 pack), 50% off!")
 
 
 def test_rows_are_sot_text_eot_then_padding():

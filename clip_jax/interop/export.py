@@ -75,9 +75,9 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
     state_dict = variables_to_open_clip(as_variables(params), model)
     tokenizer = _model_tokenizer(model)
     skipped = "--no-transformers" if not transformers else hf_folder.hf_unsupported(model)
-    tokenizer_files = [] if tokenizer is None else list(hf_folder.saved_tokenizer(tokenizer))
+    tokenizer_files = {} if tokenizer is None else hf_folder.saved_tokenizer(tokenizer)  # name -> bytes, saved once
     names = [EXPORT_WEIGHTS, EXPORT_CONFIG, *tokenizer_files] + ([] if skipped else
-                                                                 list(hf_folder.hf_files(model, tokenizer)))
+                                                                 list(hf_folder.hf_files(model, tokenizer_files)))
     ownership.claim(out_dir, dict.fromkeys(names), writing="the export",
                     change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
     write_open_clip(os.path.join(out_dir, EXPORT_WEIGHTS), state_dict)
@@ -90,10 +90,9 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
         f.write("\n")
     if skipped:
         _remove_earlier_hf_files(out_dir, keep=tokenizer_files)
-        if tokenizer is not None:
-            hf_folder.write_tokenizer_files(out_dir, tokenizer)
+        hf_folder.write_files(out_dir, tokenizer_files)
     else:
-        hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std, tokenizer=tokenizer,
+        hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std, tokenizer_files=tokenizer_files,
                                  resize_mode=resize_mode)
     return skipped
 

@@ -7,9 +7,9 @@ tokenizer's files for clip_jax's BPE (`vocab.json`, `merges.txt`, `tokenizer_con
 `special_tokens_map.json`). A SigLIP model (an attention-pooled image tower: `hf_model_type`) is written as what
 `SiglipModel.from_pretrained(folder)` and `SiglipProcessor.from_pretrained(folder)` load: `config.json`,
 `model.safetensors`, a SiglipImageProcessor's `preprocessor_config.json` (the whole image to the image size,
-bicubic, no crop: "squash") and the files its SentencePiece tokenizer saves (`tokenizer=`, an object with
-`save(folder)`). `hf_files(config, tokenizer)` names the files written; `hf_unsupported(config)` says why a model
-has no transformers counterpart.
+bicubic, no crop: "squash") and its SentencePiece tokenizer's files (`tokenizer_files=`, what `saved_tokenizer`
+gives of an object with `save(folder)`). `hf_files(config, tokenizer_files)` names the files written;
+`hf_unsupported(config)` says why a model has no transformers counterpart.
 
 The readers take a folder in that layout, written by clip_jax or by transformers (such as
 `openai/clip-vit-large-patch14` or `google/siglip-base-patch16-224`), and go by its `config.json`'s `model_type`
@@ -247,11 +247,11 @@ def siglip_preprocessor_config(image_size: int, mean, std) -> dict:
             "image_mean": [float(x) for x in mean], "image_std": [float(x) for x in std]}
 
 
-def _require_tokenizer(config: CLIPConfig, tokenizer) -> None:
-    if tokenizer is None or not callable(getattr(tokenizer, "save", None)):
+def _require_tokenizer(config: CLIPConfig, tokenizer_files) -> None:
+    if not tokenizer_files:
         raise InvalidInput(f"{config.name} is a SigLIP model, whose transformers files include its SentencePiece "
-                           "tokenizer's: give the tokenizer (tokenizer=, an object with save(folder)), or write "
-                           "OpenCLIP's files only")
+                           "tokenizer's: give the tokenizer's files (tokenizer_files=saved_tokenizer(tokenizer)), or "
+                           "write OpenCLIP's files only")
 
 
 def saved_tokenizer(tokenizer) -> dict[str, bytes]:
@@ -267,35 +267,35 @@ def saved_tokenizer(tokenizer) -> dict[str, bytes]:
         return saved
 
 
-def write_tokenizer_files(folder: str, tokenizer) -> None:
-    """The files `tokenizer.save` writes, written into `folder` (claimed by the caller for them), replacing those
-    an earlier export of clip_jax's wrote."""
-    for name, data in saved_tokenizer(tokenizer).items():
+def write_files(folder: str, files: dict[str, bytes]) -> None:
+    """Writes each of `files` (name -> bytes) into `folder`, which the caller has claimed for them (replacing those an
+    earlier export of clip_jax's wrote)."""
+    for name, data in files.items():
         with open(os.path.join(folder, name), "wb") as f:
             f.write(data)
 
 
-def hf_files(config: CLIPConfig, tokenizer=None) -> tuple[str, ...]:
+def hf_files(config: CLIPConfig, tokenizer_files=None) -> tuple[str, ...]:
     """The files `write_hf_files` writes for `config`: `HF_FILES` for a CLIP model; for a SigLIP model its config,
-    weights, image processor and the files `tokenizer` saves."""
+    weights, image processor and its tokenizer's files (the names of `tokenizer_files`)."""
     if hf_model_type(config) == hf_clip.MODEL_TYPE:
         return HF_FILES
-    _require_tokenizer(config, tokenizer)
-    return tuple(dict.fromkeys((CONFIG, WEIGHTS[0], PREPROCESSOR, *saved_tokenizer(tokenizer))))
+    _require_tokenizer(config, tokenizer_files)
+    return tuple(dict.fromkeys((CONFIG, WEIGHTS[0], PREPROCESSOR, *tokenizer_files)))
 
 
-def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, std, tokenizer=None,
-                   resize_mode: str = "shortest") -> None:
+def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, std,
+                   tokenizer_files: dict[str, bytes] | None = None, resize_mode: str = "shortest") -> None:
     """Writes the CLIPModel or SiglipModel folder files of `config` (its OpenCLIP `state_dict`) into `folder`, which
-    the caller has claimed (`clip_jax.runtime.ownership`) for `hf_files(config, tokenizer)`. A SigLIP model needs
-    its `tokenizer` (an object whose `save(folder)` writes transformers' tokenizer files). `resize_mode`: the eval
-    transform the model is used with: "squash" writes SiglipImageProcessor's settings, "shortest" CLIPImageProcessor's
-    (shortest side, center crop; a SiglipProcessor takes either)."""
+    the caller has claimed (`clip_jax.runtime.ownership`) for `hf_files(config, tokenizer_files)`. A SigLIP model
+    needs its tokenizer's files (`saved_tokenizer(tokenizer)`: name -> bytes). `resize_mode`: the eval transform the
+    model is used with: "squash" writes SiglipImageProcessor's settings, "shortest" CLIPImageProcessor's (shortest
+    side, center crop; a SiglipProcessor takes either)."""
     from clip_jax.interop.weight_files import write_safetensors
 
     siglip = hf_model_type(config) == hf_siglip.MODEL_TYPE
     if siglip:
-        _require_tokenizer(config, tokenizer)
+        _require_tokenizer(config, tokenizer_files)
     module = _MODULES[hf_model_type(config)]
     squash = siglip and resize_mode == "squash"
     processor = (siglip_preprocessor_config if squash else preprocessor_config)(config.vision.image_size, mean, std)
@@ -304,8 +304,5 @@ def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, s
     texts = {CONFIG: json.dumps(module.hf_config(config), indent=2) + "\n",  # refuses a model it cannot hold
              PREPROCESSOR: json.dumps(processor, indent=2) + "\n",
              **({} if siglip else _tokenizer_files(config.text.context_length))}
-    files = {**(saved_tokenizer(tokenizer) if siglip else {}), **{n: t.encode("utf-8") for n, t in texts.items()}}
     write_safetensors(os.path.join(folder, WEIGHTS[0]), module.to_hf_state_dict(state_dict, config), {"format": "pt"})
-    for name, data in files.items():
-        with open(os.path.join(folder, name), "wb") as f:
-            f.write(data)
+    write_files(folder, {**(tokenizer_files if siglip else {}), **{n: t.encode("utf-8") for n, t in texts.items()}})

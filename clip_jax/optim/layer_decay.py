@@ -3,10 +3,10 @@ classification fine-tunes) use it: the deeper a layer, the larger its step.
 
 A ViT image tower of L residual blocks is numbered by depth: its stem (`conv1`, `class_embedding`,
 `positional_embedding`, `ln_pre`) is layer 0, block i is layer i + 1, and what follows the blocks (`ln_post`, `proj`,
-or SigLIP's attention pool `attn_pool`) is layer L + 1, as is everything outside the image tower (a classification head). A parameter of layer l steps at
-`decay ** (L + 1 - l)` times the learning rate: the head and `proj` at the full rate, the last block at `decay`, the
-stem at `decay ** (L + 1)`. The blocks are one stacked leaf per parameter (axis 0 = block), whose multiplier is a
-vector over the blocks.
+or SigLIP's attention pool `attn_pool`) is layer L + 1, as is everything outside the image tower (a classification
+head). A parameter of layer l steps at `decay ** (L + 1 - l)` times the learning rate: the head and `proj` at the
+full rate, the last block at `decay`, the stem at `decay ** (L + 1)`. The blocks are one stacked leaf per parameter
+(axis 0 = block), whose multiplier is a vector over the blocks.
 
 `scale_by_layer` multiplies each update by its multiplier; chained after AdamW it scales the whole step, weight decay
 included, as a per-group learning rate does.
