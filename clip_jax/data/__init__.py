@@ -42,7 +42,8 @@ their counts), ``filter_expression`` and ``filters`` (the filter language, and t
 shards), ``epochs`` (samples and steps per epoch), ``pipeline`` (the Grain pipeline: decode, batch, the
 iterator), ``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once`` (a folder of files
 written by one of the processes that ask for it), ``shard_writer`` (shards in img2dataset's format) and
-``image_folder`` (one's own images and captions, bad files left out). Tools: ``python -m
+``image_folder`` (one's own images and captions, bad files left out), ``shard_checks`` (what a shard pattern
+that finds no shard finds instead). Tools: ``python -m
 clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 
