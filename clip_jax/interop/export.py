@@ -34,7 +34,7 @@ from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.runtime import ownership, storage, xla_gpu
-from clip_jax.runtime.run_directory import CHECKPOINTS
+from clip_jax.runtime.run_layout import CHECKPOINTS
 
 
 def preprocess_cfg(image_size: int, mean, std, resize_mode: str = RESIZE_MODE) -> dict:

@@ -31,8 +31,8 @@ from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import storage
-from clip_jax.runtime.run_directory import CHECKPOINTS
-from clip_jax.runtime.run_directory import CONFIG as RUN_CONFIG
+from clip_jax.runtime.run_layout import CHECKPOINTS
+from clip_jax.runtime.run_layout import CONFIG as RUN_CONFIG
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 _STEP = re.compile(r"\d+")
 

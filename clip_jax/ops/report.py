@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
-from clip_jax.runtime import ownership, run_directory, storage
+from clip_jax.runtime import ownership, run_layout, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
 PANELS = (
@@ -33,7 +33,7 @@ PANELS = (
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every numeric metric of `RUN_DIR/metrics.jsonl` as (step, value) pairs in file order; a step logged again
     after a resume replaces the earlier value."""
-    path = storage.join(run_dir, run_directory.METRICS)
+    path = storage.join(run_dir, run_layout.METRICS)
     if not storage.isfile(path):
         raise MissingInput(f"{path} does not exist: give a run directory the trainer wrote (LOGS/NAME)")
     series: dict[str, dict[int, float]] = {}
@@ -125,7 +125,7 @@ def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     if storage.is_remote(run_dir):
         storage.check_location(run_dir, write=False)
     series = read_metrics(run_dir)
-    output = output or storage.join(run_dir, run_directory.REPORT)
+    output = output or storage.join(run_dir, run_layout.REPORT)
     storage.check_output_file(output, what="the report", change="give --output a path you can write to")
     drawn = write_png(series, output, storage.basename(run_dir))
     return output, format_summary(summary_rows(series, drawn))
