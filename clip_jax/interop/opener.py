@@ -26,6 +26,7 @@ import re
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
+from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten
 from clip_jax.interop.pretrained import clip_jax_variables, open_clip_variables
 from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
@@ -251,15 +252,11 @@ class WeightsFile(ModelSource):
     @functools.cached_property
     def arrays(self) -> dict:
         """Name -> array, as the file holds them."""
-        from clip_jax.interop.weight_files import read_arrays
-
         return read_arrays(self.path)
 
     def holds_clip_jax(self) -> bool:
         """Whether the file holds clip_jax's params (or variables), not an OpenCLIP state_dict."""
-        from clip_jax.interop.weight_files import _is_clip_jax
-
-        return _is_clip_jax(self.arrays)
+        return holds_clip_jax(self.arrays)
 
     def variables(self, config: CLIPConfig) -> dict:
         return _file_variables(self.path, config, self)
@@ -267,12 +264,10 @@ class WeightsFile(ModelSource):
 
 def _file_variables(path: str, config: CLIPConfig, file: WeightsFile | None = None) -> dict:
     """Host variables of `config` from a weights file, OpenCLIP's or clip_jax's."""
-    from clip_jax.interop.weight_files import _unflatten
-
     file = file or WeightsFile(path)
     if not file.holds_clip_jax():
         return open_clip_variables(file.arrays, config, path)
-    tree = _unflatten(file.arrays)  # checked once fitted (another image size, a logit_bias to add)
+    tree = unflatten(file.arrays)  # checked once fitted (another image size, a logit_bias to add)
     return clip_jax_variables(tree if "params" in tree else {"params": tree}, config, path)
 
 
