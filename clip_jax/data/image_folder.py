@@ -163,7 +163,8 @@ def image_folder_samples(folder: str, captions_file: str | None = None,
         bad_before = len(left_out)
         caption = _caption(full, rel, captions, not_utf8, left_out)
         if not caption:
-            without_caption += len(left_out) == bad_before
+            if len(left_out) == bad_before:  # none at all; a bad one is counted as a bad file
+                without_caption += 1
             continue
         with open(full, "rb") as f:
             data = f.read()

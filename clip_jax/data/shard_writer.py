@@ -147,8 +147,8 @@ def _write_next(samples: list[Sample], out_dir: str, shard_index: int) -> str:
 
 
 def _remove_unfilled(out_dir: str, made: list[str]) -> None:
-    """The folders ``made`` (outermost first) for ``out_dir`` that hold nothing but the manifest of a writer that
-    failed before its first shard was complete."""
+    """After a writer failed before its first shard was complete: removes the folders it ``made`` (outermost first,
+    ``out_dir`` last) that hold nothing, or in ``out_dir`` nothing but the manifest it wrote."""
     manifest = os.path.join(out_dir, ownership.MANIFEST)
     if made and os.path.isdir(out_dir) and os.listdir(out_dir) == [ownership.MANIFEST]:
         os.remove(manifest)
