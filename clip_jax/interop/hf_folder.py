@@ -211,9 +211,9 @@ def read_hf_state_dict(folder: str, config: CLIPConfig) -> dict:
 
 
 def _tokenizer_files(context_length: int) -> dict[str, str]:
-    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.tokenizer`), cutting text to
+    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.text.clip_tokenizer`), cutting text to
     `context_length` tokens."""
-    from clip_jax.tokenizer import bpe_vocabulary
+    from clip_jax.text.clip_tokenizer import bpe_vocabulary
 
     tokens, merges = bpe_vocabulary()
     vocab = {{"<start_of_text>": _SOT, "<end_of_text>": _EOT}.get(token, token): i for i, token in enumerate(tokens)}

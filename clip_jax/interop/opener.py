@@ -103,7 +103,7 @@ def run_model(run_config) -> CLIPConfig:
         model = get_model_config(run_config.model)
     except MissingInput as e:
         raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
-    from clip_jax.models.model_tokenizer import with_run_tokenizer
+    from clip_jax.text.model_tokenizer import with_run_tokenizer
 
     return as_trained(with_run_tokenizer(model, run_config), image_size=run_config.force_image_size,
                       siglip_head=run_config.loss == "siglip",
@@ -352,9 +352,9 @@ class OpenedModel:
 
     @property
     def tokenizer(self):
-        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.models.model_tokenizer`),
+        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.text.model_tokenizer`),
         checked."""
-        from clip_jax.models.model_tokenizer import tokenizer_for
+        from clip_jax.text.model_tokenizer import tokenizer_for
 
         return tokenizer_for(self.config)
 
@@ -363,7 +363,7 @@ def open_model(path, model=None, *, what: str = "") -> OpenedModel:
     """The model `path` holds (see the module docstring). `model` (a name, OpenCLIP model config or `CLIPConfig`)
     is the model to read the weights as, fitted to it; None: the one the path holds, which a weights file does not
     say. `what` names the path in an error (a flag: "--pretrained")."""
-    from clip_jax.models.model_tokenizer import with_folder_tokenizer
+    from clip_jax.text.model_tokenizer import with_folder_tokenizer
 
     source = model_source(path, what)
     source.check()
