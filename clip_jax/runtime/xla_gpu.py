@@ -29,6 +29,10 @@ from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# The XLA:GPU flags the project adopts, the one list of them ({flag: value}): the GPU suite's runs of the step take
+# them as XLA_FLAGS (benchmarks/gpu_suite.py), each with a spec of its numerics. Triton's multi-output fusions put the
+# LayerNorm backward's row sums in one kernel with its input gradient (issue 54).
+ADOPTED_XLA_GPU_FLAGS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
 INSTALL_HINT = "pip install -e '.[gpu]' (jaxlib's CUDA plugin and NVIDIA's libraries, about 4.4 GB of wheels)"
 GPUS_PER_NODE = 8  # the default topology's node size, when it divides the GPU count
 
@@ -89,6 +93,24 @@ def devices(gpu: GPU, nodes: int, gpus_per_node: int) -> list:
 def compile_lowered(lowered):
     """`lowered.compile()` with the options a deviceless compile needs."""
     return lowered.compile(compiler_options=COMPILER_OPTIONS)
+
+
+def xla_flags_text(flags: dict) -> str:
+    """Flags as XLA_FLAGS writes them: {"a": True, "b": 0} -> "--a=true --b=0"."""
+    return " ".join(f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+                    for name, value in flags.items())
+
+
+def parse_xla_flags(text: str) -> dict:
+    """XLA_FLAGS' text as {flag: value} (true/false as booleans, integers as ints; a later repeat wins, as in XLA)."""
+    flags = {}
+    for token in text.split():
+        name, _, value = token.removeprefix("--").partition("=")
+        if value.lower() in ("true", "false", ""):
+            flags[name] = value.lower() != "false"
+        else:
+            flags[name] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    return flags
 
 
 # -- reading the compiled step ---------------------------------------------------------------------------------
