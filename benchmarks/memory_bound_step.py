@@ -56,9 +56,14 @@ def without_gelu_written_out():
     return mock.patch.object(layers, "_gelu_input_gradient", autodiff_gelu_input_gradient)
 
 
+def without_adopted_flags():
+    return mock.patch.object(xla_gpu, "COMPILER_OPTIONS", dict(xla_gpu.DEVICELESS_OPTIONS))
+
+
 # Issue 54's changes in the order they landed: (row name, how to undo it here).
 CHANGES = [
     ("GELU' written out (Phi(x) + x phi(x))", without_gelu_written_out),
+    ("+ Triton multi-output fusions (adopted flag)", without_adopted_flags),
 ]
 
 
