@@ -17,7 +17,7 @@ order `--phases` gives:
   fp32, as OpenCLIP's `main` sets them) and gradient checkpointing when the policy rematerialises;
 - sweep: the fastest bf16 clip_jax setting and the fastest bf16 OpenCLIP setting of the core, at every other batch;
 - specs: the runs a JSON file lists (benchmarks/specs/), each with optional extra `xla_flags` for its process:
-  "adopted" stands for the XLA:GPU flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_XLA_GPU_FLAGS) and
+  "adopted" stands for the XLA:GPU flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_FLAGS) and
   "adopted, each off" for one run per adopted flag with the others on and that one off; a run with `"numerics":
   true` also records the loss and gradient norm of its first steps from the same start, so that a flag's runs on
   and off compare its numerics. Before the phase runs, the suite prints what it expects it to take (`--estimate`
@@ -335,9 +335,9 @@ def run_isolated(spec: dict, timeout: float) -> dict:
 
 
 def adopted_flags() -> dict:
-    from clip_jax.runtime.xla_gpu import ADOPTED_XLA_GPU_FLAGS
+    from clip_jax.runtime.xla_gpu import ADOPTED_FLAGS
 
-    return dict(ADOPTED_XLA_GPU_FLAGS)
+    return dict(ADOPTED_FLAGS)
 
 
 def expand_spec(extra: dict) -> list[dict]:

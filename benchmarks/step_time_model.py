@@ -133,7 +133,7 @@ class Setting:
     attention: str
     batch: int
     numerics: tuple = ()  # ((name, value), ...) of StepSpec's numerics options
-    xla_flags: tuple = ()  # ((flag, value), ...): the adopted XLA:GPU flags the run set (xla_gpu.ADOPTED_XLA_GPU_FLAGS)
+    xla_flags: tuple = ()  # ((flag, value), ...): the adopted XLA:GPU flags the run set (xla_gpu.ADOPTED_FLAGS)
     measured: list = dataclasses.field(default_factory=list)  # (samples/s, source file)
     superseded: list = dataclasses.field(default_factory=list)  # earlier days' runs of a setting measured again
     profiled: list = dataclasses.field(default_factory=list)  # a Trace per traced run
@@ -191,7 +191,7 @@ def is_h200_row(run: dict) -> bool:
     sets those as the run did; others, such as Triton GEMMs off, it cannot tell from the step without them)."""
     return (run.get("framework") == "clip_jax" and run.get("status") == "ok" and run.get("model") == "ViT-L-14"
             and "H200" in (run.get("device_kind") or "")
-            and set(xla_gpu.parse_xla_flags(run.get("xla_flags") or "")) <= set(xla_gpu.ADOPTED_XLA_GPU_FLAGS))
+            and set(xla_gpu.parse_xla_flags(run.get("xla_flags") or "")) <= set(xla_gpu.ADOPTED_FLAGS))
 
 
 def traced_kernels(run: dict, path: pathlib.Path) -> dict[str, float] | None:
@@ -240,7 +240,7 @@ def compile_kernels(setting: Setting, cache: pathlib.Path, gpu=GPU) -> list:
 def compile_options(setting: Setting) -> dict:
     """A deviceless compile's options with the adopted XLA flags as the run had them: those it did not set are
     compiled as XLA's defaults (an adopted flag changes one: a boolean's default is its other value)."""
-    unset = {name: not value for name, value in xla_gpu.ADOPTED_XLA_GPU_FLAGS.items() if isinstance(value, bool)}
+    unset = {name: not value for name, value in xla_gpu.ADOPTED_FLAGS.items() if isinstance(value, bool)}
     return {**xla_gpu.COMPILER_OPTIONS, **unset, **dict(setting.xla_flags)}
 
 

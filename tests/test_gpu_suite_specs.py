@@ -28,7 +28,7 @@ def planned(gpu_suite, specs=SPECS, phases=("matmul", "specs")) -> list[dict]:
 
 def test_the_lease_runs_the_new_step_with_the_adopted_flags_beside_open_clip_at_256_and_512(gpu_suite):
     runs = planned(gpu_suite, phases=("specs",))
-    adopted = xla_gpu.ADOPTED_XLA_GPU_FLAGS
+    adopted = xla_gpu.ADOPTED_FLAGS
     ours = [run for run in runs if run["framework"] == "clip_jax"]
     theirs = [run for run in runs if run["framework"] == "open_clip"]
     assert {run["precision"] for run in runs} == {"bf16"}
@@ -48,7 +48,7 @@ def test_the_lease_runs_the_new_step_with_the_adopted_flags_beside_open_clip_at_
 
 
 def test_each_adopted_flag_is_switched_off_in_a_run_of_its_own(gpu_suite, monkeypatch, tmp_path):
-    monkeypatch.setattr(xla_gpu, "ADOPTED_XLA_GPU_FLAGS", {"xla_gpu_a": True, "xla_gpu_b": 4})
+    monkeypatch.setattr(xla_gpu, "ADOPTED_FLAGS", {"xla_gpu_a": True, "xla_gpu_b": 4})
     specs = tmp_path / "specs.json"
     specs.write_text(json.dumps([{"framework": "clip_jax", "precision": "bf16", "remat": "none", "batch": 8,
                                   "attention": "cudnn", "xla_flags": "adopted, each off", "numerics": True}]))

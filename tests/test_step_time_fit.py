@@ -66,12 +66,12 @@ def test_rows_no_h200_measured_change_nothing_and_a_new_h200_row_changes_the_fit
     assert np.array_equal(fitted(model, after), fitted(model, before))
 
     # An H200 row the fit did not have changes it: here the same step with the adopted flags, a setting of its own.
-    adopted = xla_gpu.xla_flags_text(xla_gpu.ADOPTED_XLA_GPU_FLAGS)
+    adopted = xla_gpu.xla_flags_text(xla_gpu.ADOPTED_FLAGS)
     with files[-1].open("a") as f:
         f.write(json.dumps({**h200, "xla_flags": adopted, "samples_per_s": 650.0}) + "\n")
     grown = model.measured_settings(files)
     (new,) = [s for s in grown if s.xla_flags]
-    assert dict(new.xla_flags) == xla_gpu.ADOPTED_XLA_GPU_FLAGS and new.measured[0][0] == 650.0
+    assert dict(new.xla_flags) == xla_gpu.ADOPTED_FLAGS and new.measured[0][0] == 650.0
     assert len(new.profiled) == 1  # its trace came with it
     assert not np.allclose(fitted(model, grown), fitted(model, before))
 
