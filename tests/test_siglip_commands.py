@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_layouts import in_layout
 from PIL import Image
 
 from clip_jax.data import fashion_mnist
@@ -23,13 +24,15 @@ from clip_jax.text.sentencepiece_tokenizer import train_sentencepiece
 CAPTIONS = ["a red Dress, on a model!", "two ankle boots", "A bag; leather (brown)", "trousers 2024", "a shirt"]
 SIZES = [(37, 53), (64, 48), (101, 40), (31, 90), (50, 20)]  # (height, width): none square
 LIMIT = 256  # demo test images
+MEAN, STD = (0.25, 0.5, 0.75), (0.2, 0.3, 0.4)  # not SiglipImageProcessor's 0.5: the folder must carry them
 DEMO_MODEL = pathlib.Path(__file__).resolve().parent.parent / "configs" / "models" / "demo-tiny.json"
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny SiglipModel transformers wrote, beside its SiglipImageProcessor and a SigLIP-style vocabulary trained
-    on the demo's captions and prompts; (folder, the model, transformers' tokenizer and image processor)."""
+    """A tiny SiglipModel transformers wrote, beside its SiglipImageProcessor (mean and std not its defaults) and a
+    SigLIP-style vocabulary trained on the demo's captions and prompts; (folder, the model, transformers' tokenizer
+    and image processor)."""
     root = tmp_path_factory.mktemp("siglip")
     texts = fashion_mnist.captions(np.arange(3000) % 10, seed=0) + CAPTIONS
     texts += [p for name in fashion_mnist.CLASS_NAMES for p in fashion_mnist.zeroshot_prompts(name)]
@@ -47,7 +50,8 @@ def folder(tmp_path_factory):
                 p.add_(0.2 * torch.randn_like(p))
     path = root / "tiny-siglip"
     model.save_pretrained(str(path))
-    transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(str(path))
+    transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}, image_mean=list(MEAN),
+                                         image_std=list(STD)).save_pretrained(str(path))
     for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(root / "vocab" / name, path / name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -68,8 +72,13 @@ def _transformers_features(model, tokenizer, processor, images=None, texts=None)
         return _unit(model.get_text_features(input_ids=ids["input_ids"]).pooler_output.numpy())
 
 
-def test_embed_gives_transformers_embeddings_of_non_square_images_and_their_captions(folder, tmp_path):
+@pytest.mark.parametrize("layout", ["processor", "preprocessor"])
+def test_embed_gives_transformers_embeddings_of_non_square_images_and_their_captions(folder, tmp_path, layout):
+    """The folder as transformers 5 saves it (`processor_config.json`) and as transformers 4 did; its text tower
+    fed `input_ids` alone (see the README: SigLIP attends to the padding)."""
     path, model, tokenizer, processor = folder
+    path = in_layout(path, layout, tmp_path, transformers.SiglipProcessor(image_processor=processor,
+                                                                           tokenizer=tokenizer))
     data, out = tmp_path / "images", tmp_path / "out"
     data.mkdir()
     rng = np.random.default_rng(0)

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
@@ -232,6 +233,9 @@ class HfFolder(ModelSource):
         return hf_folder.hf_model_config(self.path)
 
     def preprocessing(self) -> dict:
+        note = hf_folder.missing_processor_note(self.path, self.model_config().vision.image_size)
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr)
         return hf_folder.hf_preprocessing(self.path)
 
     def variables(self, config: CLIPConfig) -> dict:
