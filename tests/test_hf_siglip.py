@@ -205,6 +205,23 @@ def test_a_transformers_folder_reads_as_its_model_with_its_embeddings(theirs):
     np.testing.assert_allclose(text, expected_text, atol=1e-5)
 
 
+
+def test_transformers_siglip_tokenizers_attention_mask_is_not_how_the_text_tower_reads(theirs, tmp_path):
+    """The README's note: transformers 5's SiglipTokenizer returns an attention_mask, with which SiglipModel masks the
+    padding; the text tower attends to it (as trained), so ours is transformers' given `input_ids` alone."""
+    folder, reference = theirs
+    inputs = ToyTokenizer(tmp_path).hf(TEXTS, padding="max_length", max_length=12, truncation=True,
+                                       return_tensors="pt")
+    assert "attention_mask" in inputs and not inputs["attention_mask"].all()
+    opened = open_model(str(folder))
+    ours = create_model(opened.config).apply(opened.variables(), inputs["input_ids"].numpy(), normalize=False,
+                                             method="encode_text")
+    with torch.no_grad():
+        alone = reference.get_text_features(input_ids=inputs["input_ids"]).pooler_output.numpy()
+        masked = reference.get_text_features(**inputs).pooler_output.numpy()
+    np.testing.assert_allclose(ours, alone, atol=1e-5)
+    assert np.abs(np.asarray(ours) - masked).max() > 1e-2
+
 def test_conversion_both_ways_is_bit_for_bit(ours, theirs):
     _, config, _, params = ours
     for options in ({}, {"quick_gelu": True, "vision_cfg": {**SIGLIP["vision_cfg"], "act_kwargs": {}}}):
