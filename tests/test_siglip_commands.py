@@ -3,6 +3,7 @@ the commands take as is: `embed` gives transformers' embeddings of non-square im
 transformers' predictions, each through the folder's own tokenizer; a tokenizer that is missing, on the Hub, or
 another model's is one line before anything compiles."""
 
+import io
 import json
 import pathlib
 import shutil
@@ -176,3 +177,55 @@ def test_a_run_starts_from_the_folder_with_its_tokenizer_and_exports_what_transf
     again = open_model(str(tmp_path / "exported"))  # as OpenCLIP's folder, its tokenizer the one beside it
     assert again.config.text.tokenizer == str(tmp_path / "exported")
     np.testing.assert_array_equal(again.tokenizer(CAPTIONS), ids)
+
+
+def _oblong(rng, tall: bool):
+    """An image 3:1 or more, whose middle square is one colour and its ends another (a crop sees the middle only)."""
+    image = np.empty((20, 96, 3), np.uint8)
+    image[:] = rng.integers(0, 256, 3, dtype=np.uint8)
+    image[:, 38:58] = rng.integers(0, 256, 3, dtype=np.uint8)
+    image = np.clip(image + rng.normal(0, 12, image.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(image.transpose(1, 0, 2) if tall else image)
+
+
+def _png(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="png")
+    return out.getvalue()
+
+
+def test_zeroshot_and_benchmark_eval_squash_images_as_the_folders_processor_does(folder, tmp_path):
+    """Oblong images, which a crop and the SiglipImageProcessor's squash see differently: both commands score them
+    as transformers does given the processor's pixels (a crop would score otherwise)."""
+    from test_clip_benchmark import write_dataset
+
+    from clip_jax.data.transforms import eval_crop, normalize
+    from clip_jax.evaluation import benchmark_cli
+
+    path, model, tokenizer, processor = folder
+    rng = np.random.default_rng(3)
+    images = [_oblong(rng, tall=i % 2 == 0) for i in range(32)]
+    classes, template = fashion_mnist.CLASS_NAMES, "a photo of a {c}."
+    text = _transformers_features(model, tokenizer, processor, texts=[template.format(c=c) for c in classes])
+    top2 = np.sort(_transformers_features(model, tokenizer, processor, images=images) @ text.T, axis=1)[:, -2:]
+    images = [image for image, margin in zip(images, top2[:, 1] - top2[:, 0]) if margin > 1e-3]  # no near ties
+    assert len(images) >= 20
+    squashed = _transformers_features(model, tokenizer, processor, images=images)
+    labels = np.argmax(squashed @ text.T, axis=1)  # transformers' predictions: what the commands must get right
+    with torch.no_grad():  # the control: transformers' model given center crops predicts otherwise
+        crops = np.stack([normalize(eval_crop(image, 32), MEAN, STD) for image in images]).transpose(0, 3, 1, 2)
+        cropped = model.get_image_features(pixel_values=torch.from_numpy(crops)).pooler_output.numpy()
+    assert np.mean(np.argmax(cropped @ text.T, axis=1) == labels) <= 0.5
+    write_dataset(tmp_path / "oblong", [{"png": _png(image), "cls": str(label).encode()}
+                                        for image, label in zip(images, labels)],
+                  dataset_type="classification", class_names=classes, templates=[template])
+
+    report = tmp_path / "zeroshot.json"
+    assert zeroshot.main(["--checkpoint", str(path), "--benchmark", str(tmp_path / "oblong"), "--output-dir",
+                          str(tmp_path / "records"), "--no-progress", "--output", str(report)]) == 0
+    record = next(iter(json.loads(report.read_text())["results"].values()))
+    assert record["metrics"]["acc1"] == 1.0
+    result = tmp_path / "benchmark.json"
+    assert benchmark_cli.main(["eval", "--dataset", "wds/oblong", "--dataset_root", str(tmp_path), "--pretrained",
+                               str(path), "--output", str(result)]) == 0
+    assert json.loads(result.read_text())["metrics"]["acc1"] == 1.0
