@@ -165,7 +165,19 @@ def test_a_run_starts_from_the_folder_with_its_tokenizer_and_exports_what_transf
     assert 0 <= results["zeroshot_top1"] <= 1
 
     run = open_model(str(tmp_path / "run"))
-    assert run.config.text.tokenizer == str(path)  # the run reads the pretrained folder's tokenizer
+    # the run reads the pretrained folder's tokenizer, kept in the run directory
+    assert run.config.text.tokenizer == str(tmp_path / "run" / "tokenizer")
+    assert (tmp_path / "run" / "tokenizer" / "spiece.model").read_bytes() == (path / "spiece.model").read_bytes()
+    other = tmp_path / "other"  # the same vocabulary, cased: another tokenizer
+    other.mkdir()
+    for name in ("spiece.model", "special_tokens_map.json"):
+        shutil.copy(path / name, other / name)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**settings, "do_lower_case": False}))
+    with pytest.raises(InvalidInput, match="was trained with the tokenizer kept in .*run/tokenizer, and this start "
+                                           "reads the tokenizer in .*other, another one"):  # before anything is built
+        train_lib.train(tiny_config((pattern, str(model_file)), tmp_path, train_num_samples=512, loss="siglip",
+                                    pretrained=str(path), tokenizer=str(other), resume="latest"))
     export(str(tmp_path / "run"), str(tmp_path / "exported"))
     reference = transformers.SiglipModel.from_pretrained(str(tmp_path / "exported")).eval()
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
@@ -229,3 +241,47 @@ def test_zeroshot_and_benchmark_eval_squash_images_as_the_folders_processor_does
     assert benchmark_cli.main(["eval", "--dataset", "wds/oblong", "--dataset_root", str(tmp_path), "--pretrained",
                                str(path), "--output", str(result)]) == 0
     assert json.loads(result.read_text())["metrics"]["acc1"] == 1.0
+
+
+def test_a_run_keeps_its_tokenizers_files_and_a_resume_reading_another_is_one_line(folder, tmp_path):
+    """`RUN/tokenizer/` gets the files the folder's tokenizer is read from (not the model's weights); a resume
+    reading other files, or the model's own BPE, is refused naming the copy; a fresh start replaces the copy."""
+    from clip_jax.text.model_tokenizer import with_run_tokenizer
+    from clip_jax.runtime import ownership
+    from clip_jax.runtime.run_directory import RunDirectory
+    from clip_jax.runtime.run_layout import TOKENIZER
+    from clip_jax.training.run_tokenizer import check_run_tokenizer, keep_run_tokenizer
+
+    path = folder[0]
+    directory = RunDirectory(str(tmp_path / "logs" / "run"))
+    directory.record([TOKENIZER])
+    keep_run_tokenizer(directory, str(path))
+    kept = tmp_path / "logs" / "run" / TOKENIZER
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "special_tokens_map.json", "spiece.model",
+                                                      "tokenizer_config.json"]
+    assert all((kept / p.name).read_bytes() == (path / p.name).read_bytes() for p in kept.iterdir())
+    check_run_tokenizer(directory, str(path), resuming=True)  # the same files: the resume goes on
+    check_run_tokenizer(directory, str(kept), resuming=True)
+
+    other = tmp_path / "other"
+    train_sentencepiece(CAPTIONS * 20, other, 40, "siglip", context_length=16)
+    for named, reads in ((str(other), f"the tokenizer in {other}, another one"),
+                         (None, "the model config's own tokenizer")):
+        with pytest.raises(InvalidInput) as refused:
+            check_run_tokenizer(directory, named, resuming=True)
+        assert str(refused.value) == (f"the run {directory.path} was trained with the tokenizer kept in {kept}, and "
+                                      f"this start reads {reads}: resume with --config.tokenizer={kept}, or start "
+                                      "another run with --config.name")
+        check_run_tokenizer(directory, named, resuming=False)  # a fresh start may read another
+
+    # the run's model reads its copy, whatever folder its config named
+    demo = json.loads(DEMO_MODEL.read_text())
+    model = with_run_tokenizer(get_model_config(demo), {"tokenizer": str(other)}, str(kept))
+    assert model.text.tokenizer == str(kept)
+
+    keep_run_tokenizer(directory, str(other))  # a fresh start with another tokenizer: the copy replaced
+    assert sorted(p.name for p in kept.iterdir()) == ["special_tokens_map.json", "spiece.model",
+                                                      "tokenizer_config.json"]
+    assert (kept / "spiece.model").read_bytes() == (other / "spiece.model").read_bytes()
+    keep_run_tokenizer(directory, None)  # and with none, removed
+    assert not kept.exists() and ownership.foreign_names(directory.path) == []
