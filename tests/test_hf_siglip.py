@@ -319,3 +319,17 @@ def test_what_clip_jax_does_not_build_is_refused_in_one_line(tmp_path, ours):
     assert hf_folder.hf_unsupported(with_ln_pre) == ("it has a LayerNorm before the image blocks (ln_pre; "
                                                      "SiglipModel has none)")
     assert hf_folder.hf_unsupported(config) is None
+
+
+def test_a_siglip_folder_without_an_image_processor_is_read_with_siglips_defaults_named_in_one_line(theirs, tmp_path,
+                                                                                                   capsys):
+    folder, _ = theirs
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    assert open_model(str(bare)).preprocessing == {"mean": (0.5,) * 3, "std": (0.5,) * 3, "resize_mode": "squash"}
+    note = capsys.readouterr().err.strip()
+    assert len(note.splitlines()) == 1 and note.startswith(f"note: {bare} has no image processor")
+    assert ("assuming SiglipImageProcessor's defaults: size 32, mean (0.5, 0.5, 0.5), std (0.5, 0.5, 0.5), resize the "
+            "whole image squashed to 32 x 32 px") in note
