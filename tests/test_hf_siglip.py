@@ -329,7 +329,7 @@ def test_a_siglip_folder_without_an_image_processor_is_read_with_siglips_default
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((folder / name).read_bytes())
     assert open_model(str(bare)).preprocessing == {"mean": (0.5,) * 3, "std": (0.5,) * 3, "resize_mode": "squash"}
-    note = capsys.readouterr().err.strip()
+    note = capsys.readouterr().out.strip()
     assert len(note.splitlines()) == 1 and note.startswith(f"note: {bare} has no image processor")
     assert ("assuming SiglipImageProcessor's defaults: size 32, mean (0.5, 0.5, 0.5), std (0.5, 0.5, 0.5), resize the "
             "whole image squashed to 32 x 32 px") in note

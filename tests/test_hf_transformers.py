@@ -347,7 +347,7 @@ def test_a_folder_without_an_image_processor_says_what_it_assumes_in_one_line(hf
         (bare / name).write_bytes((folder / name).read_bytes())
     opened = open_model(str(bare))
     assert opened.normalization() == (OPENAI_MEAN, OPENAI_STD) and opened.resize_mode == "shortest"
-    note = capsys.readouterr().err.strip()
+    note = capsys.readouterr().out.strip()
     assert note == (f"note: {bare} has no image processor (processor_config.json or preprocessor_config.json): "
                     "assuming CLIPImageProcessor's defaults: size 32, mean (0.4815, 0.4578, 0.4082), std (0.2686, "
                     "0.2613, 0.2758), resize the shortest side to 32 px, then a 32 px center crop (save the model's "

@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import re
-import sys
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
@@ -237,7 +236,7 @@ class HfFolder(ModelSource):
     def preprocessing(self) -> dict:
         note = hf_folder.missing_processor_note(self.path, self.model_config().vision.image_size)
         if note is not None:
-            print(f"note: {note}", file=sys.stderr)
+            print(f"note: {note}")  # as the export's notes: errors alone go to stderr
         return hf_folder.hf_preprocessing(self.path)
 
     def variables(self, config: CLIPConfig) -> dict:
