@@ -372,8 +372,7 @@ class BenchmarkRetrievalSet:
         from clip_jax.evaluation.batches import classification_batches
 
         for batch in classification_batches(self.source, batch_size=batch_size, image_size=image_size, mean=mean,
-                                            std=std, num_threads=num_threads or min(8, os.cpu_count() or 1),
-                                            resize_mode=resize_mode):
+                                            std=std, num_threads=num_threads, resize_mode=resize_mode):
             yield batch["images"][batch["valid"]]
 
 

@@ -153,7 +153,7 @@ class RetrievalSet:
         groups = itertools.islice(_iter_retrieval_groups(self.urls), self.num_images)
         items = ({"image": image, "label": 0, "where": where} for image, _, where in groups)
         for batch in streamed_batches(items, batch_size=batch_size, image_size=image_size, mean=mean, std=std,
-                                      num_threads=num_threads or min(8, os.cpu_count() or 1),
+                                      num_threads=num_threads,
                                       item=_RetrievalImage(image_size, resize_mode)):
             yield batch["images"][batch["valid"]]
 
