@@ -205,6 +205,23 @@ def test_a_transformers_folder_reads_as_its_model_with_its_embeddings(theirs):
     np.testing.assert_allclose(text, expected_text, atol=1e-5)
 
 
+
+def test_transformers_siglip_tokenizers_attention_mask_is_not_how_the_text_tower_reads(theirs, tmp_path):
+    """The README's note: transformers 5's SiglipTokenizer returns an attention_mask, with which SiglipModel masks the
+    padding; the text tower attends to it (as trained), so ours is transformers' given `input_ids` alone."""
+    folder, reference = theirs
+    inputs = ToyTokenizer(tmp_path).hf(TEXTS, padding="max_length", max_length=12, truncation=True,
+                                       return_tensors="pt")
+    assert "attention_mask" in inputs and not inputs["attention_mask"].all()
+    opened = open_model(str(folder))
+    ours = create_model(opened.config).apply(opened.variables(), inputs["input_ids"].numpy(), normalize=False,
+                                             method="encode_text")
+    with torch.no_grad():
+        alone = reference.get_text_features(input_ids=inputs["input_ids"]).pooler_output.numpy()
+        masked = reference.get_text_features(**inputs).pooler_output.numpy()
+    np.testing.assert_allclose(ours, alone, atol=1e-5)
+    assert np.abs(np.asarray(ours) - masked).max() > 1e-2
+
 def test_conversion_both_ways_is_bit_for_bit(ours, theirs):
     _, config, _, params = ours
     for options in ({}, {"quick_gelu": True, "vision_cfg": {**SIGLIP["vision_cfg"], "act_kwargs": {}}}):
@@ -302,3 +319,17 @@ def test_what_clip_jax_does_not_build_is_refused_in_one_line(tmp_path, ours):
     assert hf_folder.hf_unsupported(with_ln_pre) == ("it has a LayerNorm before the image blocks (ln_pre; "
                                                      "SiglipModel has none)")
     assert hf_folder.hf_unsupported(config) is None
+
+
+def test_a_siglip_folder_without_an_image_processor_is_read_with_siglips_defaults_named_in_one_line(theirs, tmp_path,
+                                                                                                   capsys):
+    folder, _ = theirs
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    assert open_model(str(bare)).preprocessing == {"mean": (0.5,) * 3, "std": (0.5,) * 3, "resize_mode": "squash"}
+    note = capsys.readouterr().out.strip()
+    assert len(note.splitlines()) == 1 and note.startswith(f"note: {bare} has no image processor")
+    assert ("assuming SiglipImageProcessor's defaults: size 32, mean (0.5, 0.5, 0.5), std (0.5, 0.5, 0.5), resize the "
+            "whole image squashed to 32 x 32 px") in note

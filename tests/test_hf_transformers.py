@@ -12,16 +12,18 @@ import open_clip
 import pytest
 import torch
 import transformers
+from hf_layouts import cosines, embedded, in_layout
 from open_clip_reference import TINY_77, open_clip_model, state_dict_numpy
 from PIL import Image
 
 import clip_jax
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import benchmark_cli, zeroshot
-from clip_jax.interop import convert, export, hf_clip, weight_files
+from clip_jax.interop import convert, export, hf_clip, hf_folder, weight_files
 from clip_jax.interop.export import export_open_clip
 from clip_jax.interop.opener import load_pretrained_variables, open_model
 from clip_jax.models import get_model_config
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import ownership
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.3, 0.25)  # neither OpenAI's nor transformers' defaults: the files must carry them
@@ -304,3 +306,49 @@ def test_embed_takes_a_transformers_folder_and_gives_its_features(hf_model, tmp_
         assert got.dtype == np.float16 and got.shape == expected.shape
         cosine = np.sum(got.astype(np.float32) * expected, axis=-1) / np.linalg.norm(got.astype(np.float32), axis=-1)
         assert cosine.min() >= 0.999, cosine
+
+
+
+@pytest.mark.parametrize("layout", ["processor", "preprocessor"])
+def test_embed_reads_a_clip_folder_in_either_transformers_layout_as_transformers_does(hf_model, tmp_path, layout):
+    """The image processor's mean .25/.5/.75 and std .2/.3/.4 at 32 px: transformers' own pixels and token ids
+    into transformers' model give what `embed` gives of the folder."""
+    folder, reference = hf_model
+    vocabulary = tmp_path / "vocabulary"  # CLIPTokenizer's vocab.json and merges.txt, read by from_pretrained
+    vocabulary.mkdir()
+    for name, text in hf_folder.clip_tokenizer_files(77).items():
+        (vocabulary / name).write_text(text)
+    processor = transformers.CLIPProcessor(
+        image_processor=transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32,
+                                                                                                  "width": 32},
+                                                           image_mean=[0.25, 0.5, 0.75], image_std=[0.2, 0.3, 0.4]),
+        tokenizer=transformers.CLIPTokenizer.from_pretrained(str(vocabulary)))
+    saved = in_layout(folder, layout, tmp_path, processor)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    images = _images(SIZES, seed=7)
+    for i, image in enumerate(images):
+        image.save(photos / f"{i}.png")
+        (photos / f"{i}.txt").write_text(TEXTS[i])
+    inputs = processor(text=TEXTS, images=images, return_tensors="pt", padding="max_length", truncation=True)
+    with torch.no_grad():
+        expected_image = reference.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output.numpy()
+        expected_text = reference.get_text_features(input_ids=inputs["input_ids"]).pooler_output.numpy()
+    image_emb, text_emb = embedded(saved, photos, tmp_path / "out")
+    assert cosines(image_emb, expected_image).min() >= 0.9999
+    assert cosines(text_emb, expected_text).min() >= 0.9999
+
+
+def test_a_folder_without_an_image_processor_says_what_it_assumes_in_one_line(hf_model, tmp_path, capsys):
+    folder, _ = hf_model
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    opened = open_model(str(bare))
+    assert opened.normalization() == (OPENAI_MEAN, OPENAI_STD) and opened.resize_mode == "shortest"
+    note = capsys.readouterr().out.strip()
+    assert note == (f"note: {bare} has no image processor (processor_config.json or preprocessor_config.json): "
+                    "assuming CLIPImageProcessor's defaults: size 32, mean (0.4815, 0.4578, 0.4082), std (0.2686, "
+                    "0.2613, 0.2758), resize the shortest side to 32 px, then a 32 px center crop (save the model's "
+                    "processor beside it, or give --mean/--std, to read it otherwise)")

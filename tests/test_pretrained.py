@@ -14,7 +14,7 @@ from open_clip_reference import TINY, open_clip_features, open_clip_model, rando
 from safetensors.numpy import save_file
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.interop import convert
+from clip_jax.interop import convert, weight_files
 from clip_jax.interop.export import export_open_clip
 from clip_jax.interop.opener import load_pretrained
 from clip_jax.interop.pretrained import resize_positional_embedding
@@ -250,3 +250,48 @@ def test_the_fine_tuning_config_without_its_weights_names_the_missing_file():
     assert config.force_image_size == 336 and config.model == "ViT-L-14"
     with pytest.raises(InvalidInput, match=r"pretrained='/weights/CLIP-ViT-L-14-laion2B-s32B-b82K/.*' does not exist"):
         check_config(config, num_devices=8)
+
+
+def _torch_resize(pos: np.ndarray, new: int, prefix_tokens: int, mode: str) -> np.ndarray:
+    """The reference: torch's antialiased F.interpolate of the grid (NCHW), as OpenCLIP and timm resize on load."""
+    old = int(round((pos.shape[0] - prefix_tokens) ** 0.5))
+    grid = torch.from_numpy(pos[prefix_tokens:].copy()).reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    resized = torch.nn.functional.interpolate(grid, size=(new, new), mode=mode, antialias=True, align_corners=False)
+    return np.concatenate([pos[:prefix_tokens], resized.permute(0, 2, 3, 1).reshape(new * new, -1).numpy()])
+
+
+@pytest.mark.parametrize("prefix_tokens", [1, 0])  # a class token (OpenCLIP's ViT), none (timm's SigLIP tower)
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("old, new", [(4, 6), (7, 4)])
+def test_positional_embedding_resize_equals_torchs_in_either_layout(prefix_tokens, interpolation, old, new):
+    pos = np.random.default_rng(old).normal(size=(old * old + prefix_tokens, 24)).astype(np.float32)
+    ours = resize_positional_embedding(pos, new, prefix_tokens=prefix_tokens, interpolation=interpolation)
+    assert ours.shape == (new * new + prefix_tokens, 24)
+    np.testing.assert_allclose(ours, _torch_resize(pos, new, prefix_tokens, interpolation), atol=1e-5)
+
+
+SIGLIP_32 = {"embed_dim": 32, "init_logit_bias": -10, "custom_text": True,
+             "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16,
+                            "pool_type": "map", "no_ln_pre": True},
+             "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1,
+                          "no_causal_mask": True, "proj_bias": True, "pool_type": "last"}}
+SIGLIP_48 = {**SIGLIP_32, "vision_cfg": {**SIGLIP_32["vision_cfg"], "image_size": 48}}
+
+
+def test_a_siglip_checkpoint_at_another_image_size_has_its_grid_resized_as_timm_does(tmp_path):
+    """A SigLIP image tower has no class token: its 4 x 4 grid (OpenCLIP's `visual.trunk.pos_embed`, and clip_jax's
+    params) goes to 6 x 6 for a model at 48 px, as timm resizes it, whichever way the weights come."""
+    shapes = jax.eval_shape(lambda: init_params(create_model(get_model_config(SIGLIP_32)), jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), shapes)
+    pos = params["visual"]["positional_embedding"]
+    assert pos.shape == (16, 32)
+    expected = _torch_resize(pos, 6, 0, "bicubic")
+    state_dict = convert.to_open_clip(params, get_model_config(SIGLIP_32))
+    assert state_dict["visual.trunk.pos_embed"].shape == (1, 16, 32)
+    save_file({k: np.ascontiguousarray(v) for k, v in state_dict.items()}, str(tmp_path / "open_clip.safetensors"))
+    weight_files.save_params(str(tmp_path / "params.npz"), params)
+    for path in ("open_clip.safetensors", "params.npz"):
+        resized = load_pretrained(str(tmp_path / path), SIGLIP_48)
+        np.testing.assert_allclose(resized["visual"]["positional_embedding"], expected, atol=1e-5, err_msg=path)
+        np.testing.assert_array_equal(resized["visual"]["attn_pool"]["probe"], params["visual"]["attn_pool"]["probe"])

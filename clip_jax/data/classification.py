@@ -46,12 +46,14 @@ def pad_rows(rows: np.ndarray, size: int, fill=0) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class EvalItem:
     """A classification item `{"image": bytes or uint8 array, "label": int}` -> `{"image": uint8 [S, S, 3],
-    "label": int32}`; a picklable class so Grain can run it in its threads."""
+    "label": int32}` (`resize_mode`: `eval_image`'s); a picklable class so Grain can run it in its threads."""
 
     image_size: int
+    resize_mode: str = "shortest"
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"image": eval_image(item["image"], self.image_size), "label": np.int32(item["label"])}
+        return {"image": eval_image(item["image"], self.image_size, self.resize_mode),
+                "label": np.int32(item["label"])}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ samples (some skipped) through `decoded`, windows too: one path, Grain's threads
 """
 
 import itertools
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grain
@@ -19,18 +20,21 @@ from clip_jax.data.classification import EvalItem, PaddedCollate, eval_image, pa
 
 
 def classification_batches(source, *, batch_size: int, image_size: int, mean: Sequence[float],
-                           std: Sequence[float], num_threads: int = 8, process_index: int = 0,
+                           std: Sequence[float], num_threads: int | None = None, process_index: int = 0,
                            process_count: int = 1, steps: int | None = None,
-                           item: Callable[[dict], dict] | None = None) -> Iterator[dict[str, np.ndarray]]:
+                           item: Callable[[dict], dict] | None = None,
+                           resize_mode: str = "shortest") -> Iterator[dict[str, np.ndarray]]:
     """Padded batches (see `PaddedCollate`) of items `process_index`, `process_index + process_count`, ... of a
-    random-access `source`, in order, decoded by `num_threads` threads (`item`: the transform of one item, a
-    picklable callable; `EvalItem(image_size)` when None).
+    random-access `source`, in order, decoded by `num_threads` threads (None: one a CPU, up to 8; `item`: the
+    transform of one item, a picklable callable; `EvalItem(image_size, resize_mode)` when None).
 
     With `steps`, exactly that many batches: once this process's share has ended the rest are all padding, so every
     process takes part in every step of a multi-process evaluation.
     """
-    items = grain.MapDataset.source(source)[process_index::process_count].map(item or EvalItem(image_size))
-    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * batch_size)
+    items = grain.MapDataset.source(source)[process_index::process_count].map(item or EvalItem(image_size,
+                                                                                              resize_mode))
+    options = grain.ReadOptions(num_threads=num_threads or min(8, os.cpu_count() or 1),
+                                prefetch_buffer_size=2 * batch_size)
     batches = iter(items.to_iter_dataset(options).batch(batch_size,
                                                         batch_fn=PaddedCollate(batch_size, tuple(mean), tuple(std))))
     if steps is None:
@@ -45,7 +49,7 @@ def classification_batches(source, *, batch_size: int, image_size: int, mean: Se
 
 
 def streamed_batches(items: Iterable[dict], *, batch_size: int, image_size: int, mean: Sequence[float],
-                     std: Sequence[float], num_threads: int = 8, window_batches: int = 8,
+                     std: Sequence[float], num_threads: int | None = None, window_batches: int = 8,
                      item: Callable[[dict], dict] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """`classification_batches` of a stream of items (read once, in order), `window_batches` batches' items held at
     a time: every batch is whole but the stream's last."""

@@ -55,14 +55,15 @@ def retrieval_metric_names(recall: dict[str, float]) -> dict[str, float]:
 def evaluate_benchmark(model, params, dataset: BenchmarkDataset, mesh: Mesh, *, batch_size: int = 256,
                        mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                        recall_ks: Sequence[int] = (1, 5, 10), num_threads: int | None = None,
-                       progress: bool = False, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+                       progress: bool = False, should_stop: Callable[[], bool] = never,
+                       resize_mode: str = "shortest") -> dict[str, float]:
     """The dataset's metrics under CLIP_benchmark's names (see the module docstring)."""
     if dataset.retrieval is not None:
         recall = evaluate_retrieval(model, params, dataset.retrieval, mesh, batch_size=batch_size, mean=mean, std=std,
-                                    ks=recall_ks, progress=progress, should_stop=should_stop)
+                                    ks=recall_ks, progress=progress, should_stop=should_stop, resize_mode=resize_mode)
         return retrieval_metric_names(recall)
     evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, batch_size=batch_size, mean=mean, std=std,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, resize_mode=resize_mode)
     multilabel = dataset.targets is not None
     logits, labels = evaluator.logits(params, progress=progress, check_labels=not multilabel,
                                       should_stop=should_stop)
@@ -76,16 +77,17 @@ def evaluate_linear_probe(model, params, train: BenchmarkDataset, test: Benchmar
                           options: ProbeOptions = ProbeOptions(), feature_root: str | None = None,
                           mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                           num_threads: int | None = None, progress: bool = False,
-                          should_stop: Callable[[], bool] = never) -> ProbeResult:
+                          should_stop: Callable[[], bool] = never, resize_mode: str = "shortest") -> ProbeResult:
     """CLIP_benchmark's `linear_probe` task (see `linear_probe.linear_probe`) on the image features of the train
     split, `val` and `test`, cached under `feature_root` (see `probe_features`); `should_stop` is asked before each
     batch encoded (see `encoder`)."""
     mean, std = tuple(mean), tuple(std)
-    key = weights_key(params, model.config.vision.image_size, mean, std) if feature_root else ""
+    key = weights_key(params, model.config.vision.image_size, mean, std, resize_mode) if feature_root else ""
 
     def features(dataset: BenchmarkDataset):
         evaluator = ZeroShotEvaluator(model, dataset.classification, mesh, mean=mean, std=std,
-                                      batch_size=device_batch(mesh, options.batch_size), num_threads=num_threads)
+                                      batch_size=device_batch(mesh, options.batch_size), num_threads=num_threads,
+                                      resize_mode=resize_mode)
         return cached_features(feature_root, key, dataset.name, dataset.layout.split, len(dataset.classification),
                                lambda: evaluator.image_features(params, progress=progress, should_stop=should_stop))
 
@@ -106,7 +108,7 @@ class BenchmarkZeroShot:
         s = self.setting
         return evaluate_benchmark(s.model, weights, self.dataset, s.mesh, batch_size=device_batch(s.mesh, s.batch_size),
                                   mean=s.mean, std=s.std, recall_ks=self.recall_ks, num_threads=s.num_threads,
-                                  progress=s.progress, should_stop=should_stop)
+                                  progress=s.progress, should_stop=should_stop, resize_mode=s.resize_mode)
 
 
 class LinearProbeEvaluator:
@@ -128,7 +130,7 @@ class LinearProbeEvaluator:
                                           val_proportion=self.val_proportion, fewshot_k=self.fewshot_k,
                                           options=self.options, feature_root=self.feature_root, mean=s.mean,
                                           std=s.std, num_threads=s.num_threads, progress=s.progress,
-                                          should_stop=should_stop)
+                                          should_stop=should_stop, resize_mode=s.resize_mode)
         return dict(self.last.metrics)
 
 

@@ -90,14 +90,15 @@ def output_path(args, layout: clip_benchmark.Layout, task: str, model: str) -> s
 
 
 def load_model(args):
-    """(model, params replicated on the mesh, mesh, mean, std, model name) of `--pretrained` / `--model`."""
+    """(model, params replicated on the mesh, mesh, mean, std, model name, the eval transform's resize) of
+    `--pretrained` / `--model`."""
     opened = open_model(args.pretrained, args.model, what="--pretrained")
     mean, std = opened.normalization()
     model = create_model(opened.config, dtype="float32")
     check_vocabulary(model)
     mesh = create_mesh()
     params = replicate(eval_variables(**opened.variables()), mesh)
-    return model, params, mesh, mean, std, model_label(args.model or model.config.name)
+    return model, params, mesh, mean, std, model_label(args.model or model.config.name), opened.resize_mode
 
 
 def plan(args, model_name: str) -> list[tuple]:
@@ -125,10 +126,10 @@ def probe_split(name: str, split: str, test: clip_benchmark.Layout, flag: str) -
 def evaluate(args, job, loaded) -> dict:
     """The CLIP_benchmark record of one dataset: its task's evaluator (`evaluator.TASKS`) run on the loaded model."""
     layout, task, _, train, val = job
-    model, params, mesh, mean, std, model_name = loaded
+    model, params, mesh, mean, std, model_name, resize_mode = loaded
     test = clip_benchmark.open_dataset(layout)
     setting = EvalSetting(model, mesh, mean=mean, std=std, batch_size=args.batch_size, num_threads=args.num_workers,
-                          progress=args.verbose)
+                          progress=args.verbose, resize_mode=resize_mode)
     options = {"recall_ks": tuple(args.recall_k), "fewshot_k": args.fewshot_k, "feature_root": args.feature_root,
                "options": ProbeOptions(lr=args.fewshot_lr, epochs=args.fewshot_epochs, batch_size=args.batch_size,
                                        seed=args.seed)}

@@ -67,7 +67,7 @@ class ZeroShotEvaluator:
 
     def __init__(self, model, dataset: ClassificationSet, mesh: Mesh, *, batch_size: int = 256,
                  mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD, ks: Sequence[int] = (1, 5),
-                 text_batch_size: int = 1024, num_threads: int | None = None):
+                 text_batch_size: int = 1024, num_threads: int | None = None, resize_mode: str = "shortest"):
         process_count = jax.process_count()
         if batch_size % mesh.size or batch_size % process_count:
             raise InvalidInput(f"eval batch size {batch_size} must be a multiple of the {mesh.size} devices (and of "
@@ -77,6 +77,7 @@ class ZeroShotEvaluator:
         self.model, self.dataset, self.mesh = model, dataset, mesh
         self.encoder = ShardedEncoder(model, mesh)
         self.mean, self.std, self.ks = tuple(mean), tuple(std), tuple(ks)
+        self.resize_mode = resize_mode  # the eval transform's: "shortest" then a center crop, or "squash"
         self.text_batch_size = text_batch_size
         self.num_threads = num_threads or min(32, os.cpu_count() or 1)
         num_images = len(dataset)
@@ -174,7 +175,7 @@ class ZeroShotEvaluator:
         batches = classification_batches(self.dataset.source, batch_size=local_batch,
                                          image_size=self.model.config.vision.image_size, mean=self.mean,
                                          std=self.std, num_threads=self.num_threads, process_index=process_index,
-                                         process_count=process_count, steps=self.steps)
+                                         process_count=process_count, steps=self.steps, resize_mode=self.resize_mode)
         shares = [process_share(num_images, p, process_count) for p in range(process_count)]
         bar = None
         if progress and process_index == 0:

@@ -367,12 +367,12 @@ class BenchmarkRetrievalSet:
         return BenchmarkRetrievalSet(source, self.captions[:keep], self.caption_image[:keep])
 
     def image_batches(self, *, batch_size: int, image_size: int, mean: Sequence[float], std: Sequence[float],
-                      num_threads: int | None = None):
+                      num_threads: int | None = None, resize_mode: str = "shortest"):
         """Eval-transformed, normalised images float32 [<=B, S, S, 3], in order (the last batch partial)."""
         from clip_jax.evaluation.batches import classification_batches
 
         for batch in classification_batches(self.source, batch_size=batch_size, image_size=image_size, mean=mean,
-                                            std=std, num_threads=num_threads or min(8, os.cpu_count() or 1)):
+                                            std=std, num_threads=num_threads, resize_mode=resize_mode):
             yield batch["images"][batch["valid"]]
 
 

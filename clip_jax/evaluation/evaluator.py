@@ -33,7 +33,8 @@ class Evaluator(Protocol):
 @dataclasses.dataclass(frozen=True)
 class EvalSetting:
     """What the evaluators of one model share: the model the weights are applied to, the mesh its batches are split
-    over, the images' normalisation, the global batch, the decoding threads and whether to show progress bars."""
+    over, the images' normalisation, the global batch, the decoding threads, whether to show progress bars and the
+    eval transform's resize ("shortest" side then a center crop, or a SigLIP folder's "squash")."""
 
     model: Any  # a CLIP module, created in the compute dtype the evaluation runs in
     mesh: Mesh
@@ -42,6 +43,7 @@ class EvalSetting:
     batch_size: int = 256
     num_threads: int | None = None
     progress: bool = False
+    resize_mode: str = "shortest"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,9 +23,12 @@ from clip_jax.runtime import ownership
 PARTIAL_PREFIX = ".clip_jax-partial-"
 
 
-def weights_key(params, image_size: int, mean: Sequence[float], std: Sequence[float]) -> str:
-    """A hex digest (16 characters) of every weight (path, dtype, shape, bytes) and the preprocessing."""
-    digest = hashlib.sha256(repr((image_size, tuple(map(float, mean)), tuple(map(float, std)))).encode())
+def weights_key(params, image_size: int, mean: Sequence[float], std: Sequence[float],
+                resize_mode: str = "shortest") -> str:
+    """A hex digest (16 characters) of every weight (path, dtype, shape, bytes) and the preprocessing (the resize
+    named only when it is not the shortest side's: the keys of features cached before it was stay theirs)."""
+    preprocessing = (image_size, tuple(map(float, mean)), tuple(map(float, std)))
+    digest = hashlib.sha256(repr(preprocessing + ((resize_mode,) if resize_mode != "shortest" else ())).encode())
     for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0], key=lambda kv: jax.tree_util.keystr(
             kv[0])):
         array = np.ascontiguousarray(np.asarray(leaf))

@@ -31,7 +31,7 @@ def first_images(retrieval_set: RetrievalSet, n: int) -> RetrievalSet:
 
 def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: RetrievalSet, *, batch_size: int,
                             mean: Sequence[float], std: Sequence[float], progress: bool = False,
-                            should_stop: Callable[[], bool] = never) -> np.ndarray:
+                            should_stop: Callable[[], bool] = never, resize_mode: str = "shortest") -> np.ndarray:
     """Normalised features float32 [N, E] of the set's first `num_images` images, with `params` placed by
     `encoder.place`; `should_stop` is asked before each batch (see `encoder`)."""
     bar = None
@@ -41,7 +41,8 @@ def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: Retr
         bar = tqdm.tqdm(total=retrieval_set.num_images, desc="retrieval images", unit="img")
     image_size = encoder.model.config.vision.image_size
     features, count = [], 0
-    for images in retrieval_set.image_batches(batch_size=batch_size, image_size=image_size, mean=mean, std=std):
+    for images in retrieval_set.image_batches(batch_size=batch_size, image_size=image_size, mean=mean, std=std,
+                                              resize_mode=resize_mode):
         images = images[:retrieval_set.num_images - count]
         real = len(images)
         # one shape every step
@@ -62,7 +63,8 @@ def encode_retrieval_images(encoder: ShardedEncoder, params, retrieval_set: Retr
 def evaluate_retrieval(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *, batch_size: int = 256,
                        mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD,
                        ks: Sequence[int] = (1, 5, 10), text_batch_size: int = 1024,
-                       progress: bool = False, should_stop: Callable[[], bool] = never) -> dict[str, float]:
+                       progress: bool = False, should_stop: Callable[[], bool] = never,
+                       resize_mode: str = "shortest") -> dict[str, float]:
     """Recall@k image->text and text->image, plus `num_images` and `num_captions`. `batch_size` (at most the
     number of images) is rounded up to a multiple of the number of devices; `should_stop` is asked before each
     batch (see `encoder`)."""
@@ -72,7 +74,8 @@ def evaluate_retrieval(model, params, retrieval_set: RetrievalSet, mesh: Mesh, *
     params = encoder.place(params)
     tokens = tokenize_for(model, retrieval_set.captions)
     image_features = encode_retrieval_images(encoder, params, retrieval_set, batch_size=batch_size, mean=mean,
-                                             std=std, progress=progress, should_stop=should_stop)
+                                             std=std, progress=progress, should_stop=should_stop,
+                                             resize_mode=resize_mode)
     bar = None
     if progress:
         import tqdm

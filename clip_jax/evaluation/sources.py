@@ -147,14 +147,14 @@ class RetrievalSet:
     num_images: int
 
     def image_batches(self, *, batch_size: int, image_size: int, mean: Sequence[float], std: Sequence[float],
-                      num_threads: int | None = None) -> Iterator[np.ndarray]:
+                      num_threads: int | None = None, resize_mode: str = "shortest") -> Iterator[np.ndarray]:
         """Eval-transformed, normalised images float32 [<=B, S, S, 3] of the first `num_images` images, in order
         (the last batch partial), streamed from the shards through `batches.streamed_batches`."""
         groups = itertools.islice(_iter_retrieval_groups(self.urls), self.num_images)
         items = ({"image": image, "label": 0, "where": where} for image, _, where in groups)
         for batch in streamed_batches(items, batch_size=batch_size, image_size=image_size, mean=mean, std=std,
-                                      num_threads=num_threads or min(8, os.cpu_count() or 1),
-                                      item=_RetrievalImage(image_size)):
+                                      num_threads=num_threads,
+                                      item=_RetrievalImage(image_size, resize_mode)):
             yield batch["images"][batch["valid"]]
 
 
@@ -163,10 +163,11 @@ class _RetrievalImage:
     """A retrieval item's image under the eval transform; one that does not decode is an error naming it."""
 
     image_size: int
+    resize_mode: str = "shortest"
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
         try:
-            return EvalItem(self.image_size)(item)
+            return EvalItem(self.image_size, self.resize_mode)(item)
         except transforms.ImageDecodeError as e:
             raise InvalidInput(f"corrupt image {item['where']} in a retrieval set ({e}): fix or drop it (see "
                                "`python -m clip_jax.data.check`)") from e

@@ -103,7 +103,7 @@ def run_benchmark(args, model, params, mesh, layouts, batch_size: int) -> list[d
     write = jax.process_index() == 0
     datasets = [clip_benchmark.open_dataset(layout) for layout in layouts]
     setting = EvalSetting(model, mesh, mean=tuple(args.mean), std=tuple(args.std), batch_size=batch_size,
-                          num_threads=args.workers, progress=not args.no_progress)
+                          num_threads=args.workers, progress=not args.no_progress, resize_mode=args.resize_mode)
     for dataset in datasets:
         if args.limit:
             dataset = dataset.head(args.limit)
@@ -156,6 +156,7 @@ def run(args) -> dict:
     else:
         args.mean, args.std = opened.normalization(args.mean, args.std)
         args.model = args.model or opened.config.name
+    args.resize_mode = "shortest" if opened is None else opened.resize_mode  # a SigLIP folder's processor squashes
     model = create_model(args.model if opened is None else opened.config, dtype=args.compute_dtype)
     check_vocabulary(model)
     mesh = create_mesh()
@@ -178,7 +179,7 @@ def run(args) -> dict:
     results = {}
     for dataset in datasets:
         evaluator = ZeroShotEvaluator(model, dataset, mesh, batch_size=batch_size, mean=args.mean, std=args.std,
-                                      num_threads=args.workers)
+                                      num_threads=args.workers, resize_mode=args.resize_mode)
         start = time.perf_counter()
         classifier = evaluator.classifier(params, progress=progress)
         classifier_s = time.perf_counter() - start
@@ -191,13 +192,13 @@ def run(args) -> dict:
     if retrieval_set is not None:
         start = time.perf_counter()
         metrics = evaluate_retrieval(model, params, retrieval_set, mesh, batch_size=batch_size, mean=tuple(args.mean),
-                                     std=tuple(args.std), progress=progress)
+                                     std=tuple(args.std), progress=progress, resize_mode=args.resize_mode)
         results[f"retrieval:{args.retrieval}"] = {**metrics, "seconds": time.perf_counter() - start}
     for record in run_benchmark(args, model, params, mesh, layouts, batch_size):
         results[record["dataset"]] = record
     return {"model": args.model, "checkpoint": args.checkpoint, "num_devices": mesh.size,
             "compute_dtype": args.compute_dtype, "batch_size": batch_size, "mean": list(args.mean),
-            "std": list(args.std), "results": results}
+            "std": list(args.std), "resize_mode": args.resize_mode, "results": results}
 
 
 def parse_args(argv=None):

@@ -14,7 +14,10 @@ gives of an object with `save(folder)`). `hf_files(config, tokenizer_files)` nam
 The readers take a folder in that layout, written by clip_jax or by transformers (such as
 `openai/clip-vit-large-patch14` or `google/siglip-base-patch16-224`), and go by its `config.json`'s `model_type`
 ("clip": `clip_jax.interop.hf_clip`, "siglip": `clip_jax.interop.hf_siglip`): `is_hf_folder`, `hf_model_config`,
-`check_hf_model`, `hf_preprocessing`, `read_hf_state_dict` (OpenCLIP's names).
+`check_hf_model`, `hf_preprocessing`, `read_hf_state_dict` (OpenCLIP's names). The image processor is read in both
+of transformers' layouts: transformers 5's `processor_config.json` (nested under "image_processor", no
+`preprocessor_config.json`) first, then the older `preprocessor_config.json`; a folder with neither is read with its
+model's image processor's defaults, which `missing_processor_note` names in one line.
 """
 
 import json
@@ -24,10 +27,12 @@ import tempfile
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import hf_clip, hf_siglip
 from clip_jax.models.config import CLIPConfig, is_resnet
+from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # in the order transformers prefers them
-PREPROCESSOR = "preprocessor_config.json"
+PREPROCESSOR = "preprocessor_config.json"  # the image processor's settings, as transformers 4 saves them
+PROCESSOR = "processor_config.json"  # transformers 5's processor: the image processor under "image_processor"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 HF_FILES = (CONFIG, WEIGHTS[0], PREPROCESSOR, *TOKENIZER_FILES)  # what the export writes of a CLIP model
 # The files a SentencePiece tokenizer's save may write beside a SiglipModel's (SigLIP's spiece.model, SigLIP 2's
@@ -120,20 +125,63 @@ def check_hf_model(folder: str, held: CLIPConfig, wanted: CLIPConfig) -> None:
 
 
 def hf_preprocessing(folder: str) -> dict:
-    """The preprocessing of a transformers folder's image processor (`{}` without a `preprocessor_config.json`),
-    refusing what clip_jax's transforms do not do: for CLIPImageProcessor's resize of the shortest side (and
-    center crop) the `mean` and `std` it names; for SiglipImageProcessor's resize of the whole image to a square
-    (`size` {height, width}, no crop) its `mean` and `std` (SiglipImageProcessor's 0.5 where it names none) and
-    `resize_mode` "squash" (`clip_jax.data.transforms.eval_crop`)."""
-    path = os.path.join(folder, PREPROCESSOR)
-    if not os.path.isfile(path):
-        return {}
-    saved = _read_json(path)
+    """The preprocessing of a transformers folder's image processor, refusing what clip_jax's transforms do not do:
+    for CLIPImageProcessor's resize of the shortest side (and center crop) the `mean` and `std` it names; for
+    SiglipImageProcessor's resize of the whole image to a square (`size` {height, width}, no crop) its `mean` and
+    `std` (SiglipImageProcessor's 0.5 where it names none) and `resize_mode` "squash"
+    (`clip_jax.data.transforms.eval_crop`). The image processor is read from transformers 5's
+    `processor_config.json` (under "image_processor") first, else from the older `preprocessor_config.json`; a folder
+    with neither gets the defaults of its model's image processor (`assumed_preprocessing`)."""
+    found = _image_processor(folder)
+    if found is None:
+        return assumed_preprocessing(folder)
+    saved, path = found
     siglip = _siglip_processor(saved, folder)
     size = saved.get("size", {"height": 224, "width": 224} if siglip else None)
     if isinstance(size, dict) and ("height" in size or "width" in size):
         return _squash_preprocessing(saved, size, path, siglip)
     return _shortest_preprocessing(saved, path)
+
+
+def _image_processor(folder: str) -> tuple[dict, str] | None:
+    """(the image processor's settings, where they were read) of a transformers folder, None when it has none."""
+    processor = os.path.join(folder, PROCESSOR)
+    if os.path.isfile(processor):
+        nested = _read_json(processor).get("image_processor")
+        if isinstance(nested, dict):
+            return nested, f"{processor} (its image_processor)"
+    path = os.path.join(folder, PREPROCESSOR)
+    return (_read_json(path), path) if os.path.isfile(path) else None
+
+
+def _is_siglip_folder(folder: str) -> bool:
+    try:
+        return _read_json(os.path.join(folder, CONFIG)).get("model_type") == hf_siglip.MODEL_TYPE
+    except (InvalidInput, OSError):
+        return False
+
+
+def assumed_preprocessing(folder: str) -> dict:
+    """What a folder without an image processor is read with: its model's image processor's defaults
+    (SiglipImageProcessor's squash and mean/std 0.5 for a SiglipModel, CLIPImageProcessor's shortest side, center
+    crop and OpenAI's mean/std for a CLIPModel), at the model's image size."""
+    if _is_siglip_folder(folder):
+        return {"mean": _SIGLIP_MEAN, "std": _SIGLIP_STD, "resize_mode": "squash"}
+    return {"mean": OPENAI_MEAN, "std": OPENAI_STD}
+
+
+def missing_processor_note(folder: str, image_size: int) -> str | None:
+    """The line saying what a folder without an image processor is read with (None when it has one)."""
+    if _image_processor(folder) is not None:
+        return None
+    assumed = assumed_preprocessing(folder)
+    kind = "SiglipImageProcessor" if _is_siglip_folder(folder) else "CLIPImageProcessor"
+    resize = (f"the whole image squashed to {image_size} x {image_size} px" if assumed.get("resize_mode") == "squash"
+              else f"the shortest side to {image_size} px, then a {image_size} px center crop")
+    numbers = lambda xs: "(" + ", ".join(f"{x:.4g}" for x in xs) + ")"  # noqa: E731
+    return (f"{folder} has no image processor ({PROCESSOR} or {PREPROCESSOR}): assuming {kind}'s defaults: size "
+            f"{image_size}, mean {numbers(assumed['mean'])}, std {numbers(assumed['std'])}, resize {resize} "
+            "(save the model's processor beside it, or give --mean/--std, to read it otherwise)")
 
 
 def _siglip_processor(saved: dict, folder: str) -> bool:
@@ -142,10 +190,7 @@ def _siglip_processor(saved: dict, folder: str) -> bool:
     kind = saved.get("image_processor_type")
     if isinstance(kind, str) and kind.startswith(("Siglip", "CLIP")):
         return kind.startswith("Siglip")
-    try:
-        return _read_json(os.path.join(folder, CONFIG)).get("model_type") == hf_siglip.MODEL_TYPE
-    except (InvalidInput, OSError):
-        return False
+    return _is_siglip_folder(folder)
 
 
 def _squash_preprocessing(saved: dict, size: dict, path: str, siglip: bool) -> dict:
@@ -210,7 +255,7 @@ def read_hf_state_dict(folder: str, config: CLIPConfig) -> dict:
     return _MODULES[hf_model_type(config)].from_hf_state_dict(read_arrays(weights), config, weights)
 
 
-def _tokenizer_files(context_length: int) -> dict[str, str]:
+def clip_tokenizer_files(context_length: int) -> dict[str, str]:
     """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.text.clip_tokenizer`), cutting text to
     `context_length` tokens."""
     from clip_jax.text.clip_tokenizer import bpe_vocabulary
@@ -303,6 +348,6 @@ def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, s
         processor["processor_class"] = "SiglipProcessor"
     texts = {CONFIG: json.dumps(module.hf_config(config), indent=2) + "\n",  # refuses a model it cannot hold
              PREPROCESSOR: json.dumps(processor, indent=2) + "\n",
-             **({} if siglip else _tokenizer_files(config.text.context_length))}
+             **({} if siglip else clip_tokenizer_files(config.text.context_length))}
     write_safetensors(os.path.join(folder, WEIGHTS[0]), module.to_hf_state_dict(state_dict, config), {"format": "pt"})
     write_files(folder, {**(tokenizer_files if siglip else {}), **{n: t.encode("utf-8") for n, t in texts.items()}})

@@ -32,7 +32,7 @@ from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import storage
-from clip_jax.runtime.run_layout import CHECKPOINTS
+from clip_jax.runtime.run_layout import CHECKPOINTS, TOKENIZER
 from clip_jax.runtime.run_layout import CONFIG as RUN_CONFIG
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 _STEP = re.compile(r"\d+")
@@ -95,9 +95,10 @@ def read_run_config(path: str):
         raise InvalidInput(f"{config_path} is not valid JSON: {e}") from None
 
 
-def run_model(run_config) -> CLIPConfig:
+def run_model(run_config, run_dir: str | None = None) -> CLIPConfig:
     """The model a run trained, as its step was built (`StepSpec.for_model`: at the run's image size, with its
-    loss's head and its forced patch dropout), its model config file named when it is gone."""
+    loss's head and its forced patch dropout), its model config file named when it is gone; reading the tokenizer
+    kept in `run_dir` when it has one (a local run's `tokenizer/`)."""
     force = run_config.force_patch_dropout  # -1: the model config's rate
     try:
         model = get_model_config(run_config.model)
@@ -105,7 +106,8 @@ def run_model(run_config) -> CLIPConfig:
         raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
     from clip_jax.text.model_tokenizer import with_run_tokenizer
 
-    return as_trained(with_run_tokenizer(model, run_config), image_size=run_config.force_image_size,
+    kept = os.path.join(run_dir, TOKENIZER) if run_dir and not storage.is_remote(run_dir) else None
+    return as_trained(with_run_tokenizer(model, run_config, kept), image_size=run_config.force_image_size,
                       siglip_head=run_config.loss == "siglip",
                       patch_dropout=None if force is None or force < 0 else force)
 
@@ -120,7 +122,7 @@ class _RunCheckpoints(ModelSource):
         return read_run_config(self.path) if run_directory(self.path) is not None else None
 
     def model_config(self) -> CLIPConfig | None:
-        return None if self.run_config is None else run_model(self.run_config)
+        return None if self.run_config is None else run_model(self.run_config, run_directory(self.path))
 
     def preprocessing(self) -> dict:
         c = self.run_config
@@ -232,6 +234,9 @@ class HfFolder(ModelSource):
         return hf_folder.hf_model_config(self.path)
 
     def preprocessing(self) -> dict:
+        note = hf_folder.missing_processor_note(self.path, self.model_config().vision.image_size)
+        if note is not None:
+            print(f"note: {note}")  # as the export's notes: errors alone go to stderr
         return hf_folder.hf_preprocessing(self.path)
 
     def variables(self, config: CLIPConfig) -> dict:

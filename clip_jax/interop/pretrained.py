@@ -1,6 +1,7 @@
 """Weights fitted to the model they start, as OpenCLIP fits a checkpoint on load: a vision positional embedding
-made for another image size is resized (bicubic, antialiased, class token kept), and a model with a `logit_bias`
-that the checkpoint lacks gets it as 0. Anything else that differs is refused, naming the keys and shapes.
+made for another image size is resized (bicubic, antialiased; a class token kept, as OpenCLIP does; a SigLIP tower's
+grid alone, timm's `visual.trunk.pos_embed`, as timm does), and a model with a `logit_bias` that the checkpoint
+lacks gets it as 0. Anything else that differs is refused, naming the keys and shapes.
 
 `open_clip_variables(state_dict, config, where)` fits and converts an OpenCLIP state_dict, `clip_jax_variables(
 variables, config, where)` fits and checks clip_jax variables (a run's, a `.npz`'s); what holds them is decided by
@@ -16,37 +17,55 @@ from clip_jax.interop.convert import _strip_prefix, variables_from_open_clip, va
 from clip_jax.models.config import CLIPConfig, is_resnet
 
 
-def resize_positional_embedding(positional_embedding: np.ndarray, grid_size: int) -> np.ndarray:
-    """[1 + g*g, W] -> [1 + grid_size**2, W]: the patch grid resized bicubically with antialiasing (half-pixel
-    centres), the class token's row kept as it is, as OpenCLIP resizes a checkpoint's grid on load."""
+INTERPOLATIONS = ("bicubic", "bilinear")  # as torch's F.interpolate names them; antialiased, half-pixel centres
+_JAX_METHODS = {"bicubic": "bicubic", "bilinear": "linear"}
+TIMM_POS_EMBED = "visual.trunk.pos_embed"  # a SigLIP image tower's, timm's [1, g*g, W]: no class token
+
+
+def resize_positional_embedding(positional_embedding: np.ndarray, grid_size: int, *, prefix_tokens: int = 1,
+                                interpolation: str = "bicubic") -> np.ndarray:
+    """[prefix_tokens + g*g, W] -> [prefix_tokens + grid_size**2, W]: the patch grid resized (`interpolation`, with
+    antialiasing, half-pixel centres), the rows before it kept as they are, as OpenCLIP resizes a checkpoint's grid
+    on load (a class token: `prefix_tokens=1`) and timm a SigLIP tower's (none: 0)."""
     import jax
     import jax.numpy as jnp
 
+    if interpolation not in INTERPOLATIONS:
+        raise InvalidInput(f"interpolation {interpolation!r}: choose one of {', '.join(INTERPOLATIONS)}")
     positional_embedding = np.asarray(positional_embedding)
     tokens, width = positional_embedding.shape
-    old = int(round(math.sqrt(tokens - 1)))
-    if old * old != tokens - 1:
-        raise InvalidInput(f"positional embedding of {tokens} tokens is not a class token plus a square grid")
-    grid = positional_embedding[1:].reshape(old, old, width).astype(np.float32)
-    resized = jax.image.resize(jnp.asarray(grid), (grid_size, grid_size, width), method="bicubic", antialias=True)
+    old = int(round(math.sqrt(max(tokens - prefix_tokens, 0))))
+    if old < 1 or old * old != tokens - prefix_tokens:
+        what = {0: "a square grid", 1: "a class token plus a square grid"}.get(prefix_tokens, "its tokens plus a grid")
+        raise InvalidInput(f"positional embedding of {tokens} tokens is not {what}")
+    grid = positional_embedding[prefix_tokens:].reshape(old, old, width).astype(np.float32)
+    resized = jax.image.resize(jnp.asarray(grid), (grid_size, grid_size, width), method=_JAX_METHODS[interpolation],
+                               antialias=True)
     resized = np.asarray(resized, np.float32).reshape(grid_size * grid_size, width)
-    return np.concatenate([positional_embedding[:1].astype(np.float32), resized]).astype(positional_embedding.dtype)
+    kept = positional_embedding[:prefix_tokens].astype(np.float32)
+    return np.concatenate([kept, resized]).astype(positional_embedding.dtype)
 
 
 def _fit(positional_embedding, logit_bias_missing: bool, config: CLIPConfig):
-    """The (positional embedding, logit_bias to add or None) that fit `config`."""
+    """The (positional embedding, logit_bias to add or None) that fit `config`. The embedding is [T, W], or timm's
+    [1, T, W] (a SigLIP tower's), given back in its own layout."""
     pos = positional_embedding
-    if pos is not None and np.ndim(pos) == 2 and np.shape(pos)[0] != config.vision.num_tokens:
-        pos = resize_positional_embedding(pos, config.vision.grid_size)
+    if pos is not None and np.ndim(pos) in (2, 3) and np.shape(pos)[-2] != config.vision.num_tokens:
+        leading = np.shape(pos)[:-2]
+        prefix_tokens = config.vision.num_tokens - config.vision.grid_size**2  # the class token, or none
+        pos = resize_positional_embedding(np.reshape(pos, np.shape(pos)[-2:]), config.vision.grid_size,
+                                          prefix_tokens=prefix_tokens)
+        pos = pos.reshape(leading + pos.shape)
     bias = np.zeros((), np.float32) if logit_bias_missing and config.init_logit_bias is not None else None
     return pos, bias
 
 
 def _fitted_state_dict(state_dict: dict, config: CLIPConfig) -> dict:
     state_dict = _strip_prefix(state_dict)
-    pos, bias = _fit(state_dict.get("visual.positional_embedding"), "logit_bias" not in state_dict, config)
+    key = TIMM_POS_EMBED if TIMM_POS_EMBED in state_dict else "visual.positional_embedding"
+    pos, bias = _fit(state_dict.get(key), "logit_bias" not in state_dict, config)
     if pos is not None:
-        state_dict["visual.positional_embedding"] = pos
+        state_dict[key] = pos
     if bias is not None:
         state_dict["logit_bias"] = bias
     return state_dict

@@ -5,6 +5,7 @@
     metrics.jsonl      one record a line (`clip_jax.ops.run_outputs`)
     tensorboard/       TensorBoard events; wandb/ and wandb_run_id: W&B's files (when the run reports there)
     report.png         the plots of `python -m clip_jax.report`
+    tokenizer/         the files of the tokenizer the run reads (a SigLIP model's), copied at its start
     export/            a fine-tuning run's exported model (and its WiSE-FT table and plot beside it)
 
 A run directory written before clip_jax kept a manifest of what it wrote (`clip_jax.runtime.ownership`) is known by
@@ -23,6 +24,7 @@ TENSORBOARD = "tensorboard"
 WANDB, WANDB_RUN_ID = "wandb", "wandb_run_id"
 REPORT = "report.png"
 EXPORT = "export"
+TOKENIZER = "tokenizer"  # not in RUN_ENTRIES: no run written before manifests has one
 # What a run directory written before manifests may hold (any clip_jax run: train, report, W&B).
 RUN_ENTRIES = (CONFIG, CHECKPOINTS, METRICS, TENSORBOARD, WANDB, WANDB_RUN_ID, REPORT)
 # The appended files a resumed run on a bucket continues (`storage.StagedOutputs`).

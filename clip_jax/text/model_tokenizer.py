@@ -19,6 +19,9 @@ import os
 
 from clip_jax.errors import InvalidInput, MissingInput
 
+# Read beside a folder's vocabulary (`SentencePieceTokenizer.from_folder`): the tokenizer's settings, and the model
+# configs it takes its class, cleaning and length from.
+_SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json", "open_clip_config.json", "config.json")
 TOKENIZER_FIX = ("give a folder holding the model's tokenizer files (tokenizer.json or spiece.model, as a "
                  "transformers SiglipModel folder or an OpenCLIP hub folder has them): --config.tokenizer=FOLDER, or "
                  "open the model from such a folder")
@@ -64,6 +67,13 @@ def holds_tokenizer(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
 
 
+def tokenizer_file_names(folder: str) -> list[str]:
+    """The files of `folder` its SentencePiece tokenizer is read from: its vocabulary and the settings beside it."""
+    from clip_jax.text.sentencepiece_tokenizer import TOKENIZER_FILES
+
+    return [name for name in (*TOKENIZER_FILES, *_SETTINGS_FILES) if os.path.isfile(os.path.join(folder, name))]
+
+
 def tokenizer_for(config) -> ModelTokenizer:
     """The tokenizer of `config`'s text tower; a folder's is checked: it holds a tokenizer, whose vocabulary is the
     text tower's. (CLIP's BPE is not checked here: a test-sized tower may read other ids; `check_vocabulary`.)"""
@@ -97,10 +107,11 @@ def with_folder_tokenizer(config, folder: str | None):
     return dataclasses.replace(config, text=text)
 
 
-def with_run_tokenizer(config, run_config):
-    """The model of a run with the tokenizer the run reads: its `tokenizer` folder when set, else its pretrained
-    folder's when that holds one (a SigLIP start), else the model config's own."""
-    folder = run_config.get("tokenizer") or ""
+def with_run_tokenizer(config, run_config, kept: str | None = None):
+    """The model of a run with the tokenizer the run reads: the copy `kept` in its run directory when there is one
+    (`clip_jax.training.run_tokenizer`), else its `tokenizer` folder when set, else its pretrained folder's when that
+    holds one (a SigLIP start), else the model config's own."""
+    folder = kept if kept and os.path.isdir(kept) and holds_tokenizer(kept) else run_config.get("tokenizer") or ""
     if folder:
         text = dataclasses.replace(config.text, tokenizer=folder, tokenizer_clean=None)
         return dataclasses.replace(config, text=text)

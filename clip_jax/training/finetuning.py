@@ -92,6 +92,12 @@ class ClassificationFinetuning:
         return ([CONFIG, CHECKPOINTS, METRICS, *reported_entries(report_targets(c.report_to)), *WISE_FT_FILES]
                 + ([] if c.export_dir else [EXPORT]))
 
+    def check_start(self, start) -> None:
+        pass  # its head starts from the class names tokenized once, at a fresh start: no tokenizer to keep
+
+    def keep_files(self, directory) -> None:
+        pass
+
     def prepare_data(self, should_stop) -> None:
         self.train_set, self.test_set, self.shift_set = open_sets(self.config)
 

@@ -13,12 +13,13 @@ from clip_jax import data
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import check_fp8
 from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
-from clip_jax.runtime.run_layout import RUN_ENTRIES
+from clip_jax.runtime.run_layout import RUN_ENTRIES, TOKENIZER
 from clip_jax.text.model_tokenizer import tokenizer_for
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.evaluations import Evaluations, Scheduled, configured, eval_setting
 from clip_jax.training.remat_choice import step_spec
 from clip_jax.training.run_setup import check_run_locations, data_filter_settings, run_entries
+from clip_jax.training.run_tokenizer import check_run_tokenizer, keep_run_tokenizer
 from clip_jax.training.schedule import make_schedule
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 
@@ -28,7 +29,7 @@ class ClipPretraining:
     config's."""
 
     name, noun = "pretraining", "run"
-    entries = RUN_ENTRIES
+    entries = (*RUN_ENTRIES, TOKENIZER)
     data_by_step = False
     averaged = ("loss", "accuracy", "logit_scale", "grad_norm")
 
@@ -46,7 +47,18 @@ class ClipPretraining:
         check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
 
     def written_entries(self) -> list[str]:
-        return run_entries(self.config)
+        return run_entries(self.config) + ([TOKENIZER] if self.tokenizer_folder else [])  # the tokenizer's copy
+
+    @property
+    def tokenizer_folder(self) -> str | None:
+        """The folder of the SentencePiece tokenizer the model reads (None: CLIP's BPE)."""
+        return self.platform_spec.model.text.tokenizer
+
+    def check_start(self, start) -> None:
+        check_run_tokenizer(start.directory, self.tokenizer_folder, resuming=start.resume_from is not None)
+
+    def keep_files(self, directory) -> None:
+        keep_run_tokenizer(directory, self.tokenizer_folder)
 
     def prepare_data(self, should_stop) -> None:
         """The run's shards, resolved once (written first, for the demo): the epoch length and the pipeline read

@@ -31,6 +31,14 @@ class Task(Protocol):
     def written_entries(self) -> list[str]:
         """What this run writes into its directory (recorded before it is written)."""
 
+    def check_start(self, start) -> None:
+        """What the task checks of where the run starts (`run_setup.RunStart`), before anything is built or
+        written (pretraining: a resume reads the tokenizer the run kept)."""
+
+    def keep_files(self, directory) -> None:
+        """Writes what the run keeps in its directory besides checkpoints and metrics, on process 0 once its
+        `written_entries` are recorded (pretraining: its tokenizer's files, `training.run_tokenizer`)."""
+
     def prepare_data(self, should_stop: Callable[[], bool]) -> None:
         """The data found, or written first; `should_stop()` true between two shards ends the writing (CutShort)."""
 

@@ -83,6 +83,7 @@ class Trainer:
                                     now=processes.time_of_process_0)
         self.directory = self.start.directory
         self.run_dir = self.directory.path
+        self.task.check_start(self.start)
         # -- the data, found or written first (the demo's shards, a fine-tuning set)
         self._prepare_data()
         self._stop_check("while the data shards were found or written")
@@ -105,6 +106,7 @@ class Trainer:
         config, start = self.config, self.start
         if self.is_main:  # recorded before they exist: what a crash leaves is known as the run's
             self.directory.record(self.task.written_entries())
+            self.task.keep_files(self.directory)
         self.data_iter = self.task.open_data(self.data_seed, start.step)
         self.checkpoints = RunCheckpoints(self.directory.checkpoints, keep=config.keep)
         if start.resume_from is not None:
