@@ -29,7 +29,8 @@ import time
 
 import jax
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax import entry
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation.classifier import check_vocabulary
@@ -40,7 +41,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import storage, xla_gpu
+from clip_jax.runtime import storage
 from clip_jax.runtime.mesh import create_mesh
 
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"
@@ -267,16 +268,12 @@ def parse_args(argv=None):
     return args
 
 
+@entry.command(stopped="before the results left were written (those of the datasets done are kept)")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     if getattr(args, "distributed", False):
         jax.distributed.initialize()
-    try:
-        {"eval": run_eval, "build": run_build, "fashion-mnist": run_fashion_mnist}[args.command](args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    {"eval": run_eval, "build": run_build, "fashion-mnist": run_fashion_mnist}[args.command](args)
     return 0
 
 

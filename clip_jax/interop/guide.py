@@ -12,14 +12,14 @@ written to `--output`, and a strip of `--frames` images from the first step to t
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax import entry
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import guidance
 
 
@@ -117,21 +117,14 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+@entry.command(stopped="before the image was written")
 def main(argv=None) -> int:
-    from clip_jax.runtime import ownership, xla_gpu
+    from clip_jax.runtime import ownership
 
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        for path in (args.output, strip_path(args.output)):  # before the work
-            ownership.claim_file(path, writing="the guided image", change="give another --output")
-        result = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("stopped (Ctrl-C) before the image was written", file=sys.stderr)
-        return 130
+    for path in (args.output, strip_path(args.output)):  # before the work
+        ownership.claim_file(path, writing="the guided image", change="give another --output")
+    result = run(args)
     Image.fromarray(result["image"]).save(args.output)
     Image.fromarray(np.concatenate(result["frames"], axis=1)).save(strip_path(args.output))
     print(f"wrote {args.output} and {strip_path(args.output)}; similarity under the eval transform "

@@ -15,7 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
+from clip_jax import entry
+from clip_jax.errors import InvalidInput, MissingInput, require_extra
 from clip_jax.runtime import ownership, run_directory, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
@@ -131,16 +132,13 @@ def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     return output, format_summary(summary_rows(series, drawn))
 
 
+@entry.command(stopped="before the report was written")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory (LOGS/NAME) holding metrics.jsonl")
     parser.add_argument("--output", help="the PNG to write (default RUN_DIR/report.png)")
     args = parser.parse_args(argv)
-    try:
-        output, table = report(args.run_dir, args.output)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    output, table = report(args.run_dir, args.output)
     print(table)
     print(f"wrote {output}")
     return 0

@@ -145,3 +145,67 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_SECONDS)
     os._exit(0)
+
+
+# -- files a command is writing -------------------------------------------------------------------------------
+
+_unfinished: set[str] = set()  # local paths being written now, removed if the process is stopped meanwhile
+_unfinished_lock = threading.Lock()
+_ending = threading.Event()  # set once the process ends at once (the entry's watcher): nothing new is begun
+
+
+@contextlib.contextmanager
+def unfinished(path: str) -> Iterator[str]:
+    """`path` (a local file written inside the block, e.g. under a staging name) is removed when the command is
+    stopped before the block ends (`remove_unfinished`), so that a half-written file never remains. Once the
+    process is ending at once, a new file is not begun: the call waits for the end."""
+    with _unfinished_lock:
+        if _ending.is_set():
+            threading.Event().wait()  # os._exit is on its way from the thread that set it
+        _unfinished.add(path)
+    try:
+        yield path
+    except BaseException:  # KeyboardInterrupt among them
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        raise
+    finally:
+        with _unfinished_lock:
+            _unfinished.discard(path)
+
+
+def remove_unfinished(*, ending: bool = False) -> list[str]:
+    """Removes the files being written now (`unfinished`); returns their paths. `ending`: the process ends at once
+    after this (no file is begun meanwhile)."""
+    with _unfinished_lock:
+        if ending:
+            _ending.set()
+        removed = sorted(_unfinished)
+        for path in removed:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        _unfinished.clear()
+    return removed
+
+
+# -- the test seam: a process that signals itself at a named moment -------------------------------------------
+
+TEST_SIGINT_AT = "CLIP_JAX_TEST_SIGINT_AT"  # "MOMENT" or "MOMENT:N" (the Nth time); tests only
+_reached: dict[str, int] = {}
+
+
+def reached(moment: str) -> None:
+    """Marks a moment of a command's work ("start", "batch": an evaluation's next batch about to be encoded,
+    "write": a file written under its staging name, not yet in place). Does nothing, unless the test seam `CLIP_JAX_TEST_SIGINT_AT=MOMENT[:N]` names it: then the
+    process sends itself SIGINT the Nth time (default: the first) it gets there, as a Ctrl-C at that moment would."""
+    wanted, _, nth = os.environ.get(TEST_SIGINT_AT, "").partition(":")
+    if wanted != moment:
+        return
+    _reached[moment] = _reached.get(moment, 0) + 1
+    if _reached[moment] == int(nth or 1):
+        signal.raise_signal(signal.SIGINT)
+
+
+def reset_moments() -> None:
+    """Counts the moments afresh (a command run again in the same process)."""
+    _reached.clear()

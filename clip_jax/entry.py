@@ -1,0 +1,131 @@
+"""The one entry of every command: its `main` does the command's work, and `command` around it owns how it ends.
+
+    @entry.command(stopped="before the scores were written")
+    def main(argv=None) -> int:
+        args = parse_args(argv)
+        ...
+
+- A user error (`clip_jax.errors.UserError`) is one line, `error: MESSAGE`, exit status 2 (`user_error=1` for the
+  data tools, which keep 1); a run that failed (`RunFailed`) exits 1. An argument error is argparse's or absl's
+  (`clip_jax.cli`): exit 2. Any other exception is a bug in clip_jax: its traceback, exit 1.
+- Ctrl-C (SIGINT) is one line, `stopped (Ctrl-C) STOPPED`, exit 130, no traceback. A file being written when it
+  came (`stop_signals.unfinished`: a staging file) is removed; files a command finished (embed's parts) stay, so
+  that the same command run again continues.
+- During an XLA compile, JAX holds the main thread in native code without the interpreter's lock, and a Python
+  signal handler would run only once the compile returns (minutes for ViT-L). A watcher thread, woken by the
+  signal itself (`signal.set_wakeup_fd`), ends such a process at once: the line, the unfinished files removed,
+  `os._exit(130)` (no exit handlers run: nothing waits for the compile, and nothing crashes in it).
+
+A multi-process run (`clip_jax.runtime.processes`) leaves through `processes.leave_run`, as the trainer does.
+The test seam `CLIP_JAX_TEST_SIGINT_AT` (see `stop_signals.reached`) makes a command signal itself at "start"
+(before its work), at "compile" (inside JAX's first XLA compile) or at a moment of its work.
+"""
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+from clip_jax.errors import RunFailed, UserError
+from clip_jax.runtime import private_apis, stop_signals
+
+USAGE_ERROR = 2  # a usage or user error (the data tools: 1)
+RUN_FAILED = 1
+INTERRUPTED = stop_signals.EXIT_STOPPED  # 130
+NOTHING_WRITTEN = "with nothing written"
+
+
+def command(stopped: str = NOTHING_WRITTEN, *, user_error: int = USAGE_ERROR,
+            interrupts: bool = True) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
+    """`main(argv=None) -> int` of a command, run by `run` (see the module's docstring). `stopped`: the Ctrl-C line's end,
+    what it says of the outputs; `interrupts=False` for a command that takes stop signals itself (the trainer)."""
+    def wrap(main: Callable[..., int | None]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def entry(*args, **kwargs) -> int:
+            return run(functools.partial(main, *args, **kwargs), stopped=stopped, user_error=user_error,
+                       interrupts=interrupts)
+        return entry
+    return wrap
+
+
+def run(work: Callable[[], int | None], *, stopped: str = NOTHING_WRITTEN, user_error: int = USAGE_ERROR,
+        interrupts: bool = True) -> int:
+    """`work()`'s exit status (None: 0), or that of how it ended (see the module's docstring)."""
+    from clip_jax.runtime import xla_gpu
+
+    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
+    line = f"stopped (Ctrl-C) {stopped}"
+    try:
+        with ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext():
+            stop_signals.reached("start")
+            return work() or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return _leave(RUN_FAILED if isinstance(e, RunFailed) else user_error)
+    except KeyboardInterrupt:
+        stop_signals.remove_unfinished()
+        print(line, file=sys.stderr, flush=True)
+        return _leave(INTERRUPTED)
+    except stop_signals.Stopped as e:  # the trainer's stop before there was anything to save
+        print(e, file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except Exception as e:  # a bug: its traceback, exit 1
+        return _leave(RUN_FAILED, e)
+
+
+def _leave(status: int, bug: Exception | None = None) -> int:
+    processes = sys.modules.get("clip_jax.runtime.processes")  # loaded by a command that may have joined a run
+    if processes is None:
+        if bug is not None:
+            raise bug
+        return status
+    return processes.leave_run(status, bug)
+
+
+@contextlib.contextmanager
+def ctrl_c_ends_compiles(line: str) -> Iterator[None]:
+    """Inside: SIGINT raises KeyboardInterrupt in the main thread, unless the main thread is compiling; then the
+    watcher thread prints `line`, removes the unfinished files and ends the process at once with status 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    watcher = threading.Thread(target=_watch, args=(read_end, line), daemon=True, name="ctrl-c-watcher")
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous_handler = signal.signal(signal.SIGINT, _interrupt_unless_compiling)
+    if os.environ.get(stop_signals.TEST_SIGINT_AT, "").startswith("compile"):
+        private_apis.at_each_compile(lambda: stop_signals.reached("compile"))
+    stop_signals.reset_moments()
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_end)  # the watcher reads the end of the pipe and returns
+        watcher.join()
+        os.close(read_end)
+
+
+def _interrupt_unless_compiling(signum, frame) -> None:
+    if private_apis.jax_compiling(frame):
+        return  # the watcher ends the process; the compile would not return for minutes
+    raise KeyboardInterrupt
+
+
+def _watch(read_end: int, line: str) -> None:
+    """Reads the signal numbers the interpreter writes as signals arrive (in any thread, at once); on SIGINT while
+    the main thread compiles, ends the process."""
+    while True:
+        received = os.read(read_end, 64)
+        if not received:
+            return
+        if signal.SIGINT in received and private_apis.jax_compiling(
+                sys._current_frames().get(threading.main_thread().ident)):
+            stop_signals.remove_unfinished(ending=True)
+            os.write(2, (line + "\n").encode())
+            os._exit(INTERRUPTED)
