@@ -164,18 +164,25 @@ def run_eval(args) -> list[dict]:
         return []
     if jax.process_index() == 0:  # the process that writes the records: before any dataset is evaluated
         for job in todo:
-            check_output(job[2])
+            benchmark_lib.check_result_file(job[2], identity(args, job, model_name))
     loaded = load_model(args)
     records = []
     for job in todo:
         start = time.perf_counter()
         record = evaluate(args, job, loaded)
         if jax.process_index() == 0:
-            benchmark_lib.write_record_file(record, job[2])
+            benchmark_lib.write_result_file(record, job[2])
             cells = "  ".join(f"{k} {100 * v:.2f}%" for k, v in record["metrics"].items())
             print(f"{record['dataset']} ({record['task']}, {time.perf_counter() - start:.1f} s): {cells} -> {job[2]}")
         records.append(record)
     return records
+
+
+def identity(args, job, model_name: str) -> dict[str, str]:
+    """The fields of CLIP_benchmark's record that name the result `job` writes (`benchmark.RECORD_FIELDS`)."""
+    layout, task = job[0], job[1]
+    return {"dataset": layout.name, "model": model_name, "pretrained": pretrained_slug(args.pretrained),
+            "task": task, "language": args.language}
 
 
 def check_output(path: str) -> None:
