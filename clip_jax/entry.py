@@ -16,6 +16,9 @@
   signal itself (`signal.set_wakeup_fd`), ends such a process at once: the line, the unfinished files removed,
   `os._exit(130)` (no exit handlers run: nothing waits for the compile, and nothing crashes in it).
 
+- A warning a library logs (`logging`: a shard that cannot be read, a filter field a sample lacks) is a line like
+  the commands' own, `warning: MESSAGE`, where nothing else prints it (Python would print the bare message).
+
 A multi-process run (`clip_jax.runtime.processes`) leaves through `processes.leave_run`, as the trainer does.
 The test seam `CLIP_JAX_TEST_SIGINT_AT` (see `stop_signals.reached`) makes a command signal itself at "start"
 (before its work), at "compile" (inside JAX's first XLA compile) or at a moment of its work.
@@ -23,6 +26,7 @@ The test seam `CLIP_JAX_TEST_SIGINT_AT` (see `stop_signals.reached`) makes a com
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -38,33 +42,36 @@ INTERRUPTED = stop_signals.EXIT_STOPPED  # 130
 NOTHING_WRITTEN = "with nothing written"
 
 
-def command(stopped: str = NOTHING_WRITTEN, *, user_error: int = USAGE_ERROR,
+def command(stopped: str = NOTHING_WRITTEN, *, user_error: int = USAGE_ERROR, run_failed: int = RUN_FAILED,
             interrupts: bool = True) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
-    """`main(argv=None) -> int` of a command, run by `run` (see the module's docstring). `stopped`: the Ctrl-C line's end,
-    what it says of the outputs; `interrupts=False` for a command that takes stop signals itself (the trainer)."""
+    """`main(argv=None) -> int` of a command, run by `run` (see the module's docstring). `stopped`: the Ctrl-C
+    line's end, what it says of the outputs; `run_failed`: the status of a `RunFailed` (the planner, which runs
+    nothing, gives 2); `interrupts=False` for a command that takes stop signals itself and
+    sets up its own logging (the trainer)."""
     def wrap(main: Callable[..., int | None]) -> Callable[..., int]:
         @functools.wraps(main)
         def entry(*args, **kwargs) -> int:
             return run(functools.partial(main, *args, **kwargs), stopped=stopped, user_error=user_error,
-                       interrupts=interrupts)
+                       run_failed=run_failed, interrupts=interrupts)
         return entry
     return wrap
 
 
 def run(work: Callable[[], int | None], *, stopped: str = NOTHING_WRITTEN, user_error: int = USAGE_ERROR,
-        interrupts: bool = True) -> int:
+        run_failed: int = RUN_FAILED, interrupts: bool = True) -> int:
     """`work()`'s exit status (None: 0), or that of how it ended (see the module's docstring)."""
     from clip_jax.runtime import xla_gpu
 
     xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     line = f"stopped (Ctrl-C) {stopped}"
     try:
-        with ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext():
+        with (ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext(),
+              warnings_as_lines() if interrupts else contextlib.nullcontext()):
             stop_signals.reached("start")
             return work() or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return _leave(RUN_FAILED if isinstance(e, RunFailed) else user_error)
+        return _leave(run_failed if isinstance(e, RunFailed) else user_error)
     except KeyboardInterrupt:
         stop_signals.remove_unfinished()
         print(line, file=sys.stderr, flush=True)
@@ -83,6 +90,31 @@ def _leave(status: int, bug: Exception | None = None) -> int:
             raise bug
         return status
     return processes.leave_run(status, bug)
+
+
+class _LineFormatter(logging.Formatter):
+    """`warning: MESSAGE`: a logged record as the commands' own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Inside: warnings and errors logged where no handler prints them (none on the root logger) are printed on
+    stderr as `warning: MESSAGE` (`error: ...`)."""
+    root = logging.getLogger()
+    if root.handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_LineFormatter())
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 @contextlib.contextmanager

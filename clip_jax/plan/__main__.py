@@ -26,7 +26,7 @@ def choose_compiler(asked: str) -> str:
     return asked
 
 
-@entry.command(stopped="before the plan was made")
+@entry.command(stopped="before the plan was made", run_failed=entry.USAGE_ERROR)  # it runs nothing: bad input
 def main(argv) -> None:
     from absl import flags
 
