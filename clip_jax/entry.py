@@ -126,9 +126,10 @@ def ctrl_c_ends_compiles(line: str) -> Iterator[None]:
         return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    watcher = threading.Thread(target=_watch, args=(read_end, line), daemon=True, name="ctrl-c-watcher")
+    watch = _Watch(read_end, line)
+    watcher = threading.Thread(target=watch.run, daemon=True, name="ctrl-c-watcher")
     previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    previous_handler = signal.signal(signal.SIGINT, _interrupt_unless_compiling)
+    previous_handler = signal.signal(signal.SIGINT, watch.handle)
     if os.environ.get(stop_signals.TEST_SIGINT_AT, "").startswith("compile"):
         private_apis.at_each_compile(lambda: stop_signals.reached("compile"))
     stop_signals.reset_moments()
@@ -139,25 +140,40 @@ def ctrl_c_ends_compiles(line: str) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous_handler)
         signal.set_wakeup_fd(previous_fd)
         os.close(write_end)  # the watcher reads the end of the pipe and returns
+        watch.handled.set()
         watcher.join()
         os.close(read_end)
 
 
-def _interrupt_unless_compiling(signum, frame) -> None:
-    if private_apis.jax_compiling(frame):
-        return  # the watcher ends the process; the compile would not return for minutes
-    raise KeyboardInterrupt
+class _Watch:
+    """The two halves of a SIGINT: `handle`, the Python handler (run by the main thread once it runs Python), and
+    `run`, the watcher thread, woken by the interpreter's C-level handler through the wakeup pipe as the signal
+    arrives. A compile on the main thread (JAX's compiler on its stack) is ended by the watcher: at once when it is in
+    native code, where the handler cannot run; after the handler, which leaves it to the watcher, when the signal
+    came in its Python part. Anywhere else the handler raises KeyboardInterrupt and the watcher does nothing."""
 
+    def __init__(self, read_end: int, line: str):
+        self.read_end, self.line = read_end, line
+        self.handled, self.deferred = threading.Event(), False
 
-def _watch(read_end: int, line: str) -> None:
-    """Reads the signal numbers the interpreter writes as signals arrive (in any thread, at once); on SIGINT while
-    the main thread compiles, ends the process."""
-    while True:
-        received = os.read(read_end, 64)
-        if not received:
-            return
-        if signal.SIGINT in received and private_apis.jax_compiling(
-                sys._current_frames().get(threading.main_thread().ident)):
+    def handle(self, signum, frame) -> None:
+        self.deferred = private_apis.jax_compiling(frame)
+        self.handled.set()
+        if not self.deferred:
+            raise KeyboardInterrupt
+
+    def run(self) -> None:
+        while True:
+            received = os.read(self.read_end, 64)
+            if not received:
+                return
+            if signal.SIGINT not in received:
+                continue
+            if not private_apis.jax_compiling(sys._current_frames().get(threading.main_thread().ident)):
+                self.handled.wait()  # the main thread runs Python: its handler decides
+                self.handled.clear()
+                if not self.deferred:
+                    continue
             stop_signals.remove_unfinished(ending=True)
-            os.write(2, (line + "\n").encode())
+            os.write(2, (self.line + "\n").encode())
             os._exit(INTERRUPTED)

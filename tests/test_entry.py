@@ -194,3 +194,36 @@ def test_ctrl_c_during_the_compile_ends_the_process_at_once(inputs, tmp_path):
         assert err.splitlines()[-1].startswith("stopped (Ctrl-C) ") and not any(w in out + err for w in CLEAN), err
         assert files_in(tmp_path / name) == []  # no part, no result, nothing half-written
         assert not glob.glob(f"{tmp_path / name}/**/.clip_jax-partial-*", recursive=True)
+
+
+HELD_IN_A_COMPILE = '''
+import os, signal, sys, threading
+from clip_jax import entry
+
+ready = threading.Event()
+compiler = {"ready": ready}  # a function whose code is JAX's compiler's, which holds the main thread in a read
+exec(compile("def compile_for_minutes(read_end):\\n"
+             "    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # no handler runs in this thread\\n"
+             "    ready.set()\\n"
+             "    os.read(read_end, 1)  # never returns: nothing writes\\n",
+             os.path.join("site-packages", "jax", "_src", "compiler.py"), "exec"), {**compiler, "os": os,
+                                                                                  "signal": signal}, compiler)
+read_end, _ = os.pipe()
+threading.Thread(target=lambda: (ready.wait(), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+
+
+@entry.command(stopped="during a compile")
+def main():
+    compiler["compile_for_minutes"](read_end)
+
+
+sys.exit(main())
+'''
+
+
+def test_a_main_thread_held_in_native_code_by_a_compile_is_ended_by_the_watcher(tmp_path):
+    """No Python handler can run while the main thread is in native code (here a read that never returns, with
+    SIGINT blocked in that thread): the watcher thread ends the process, which would otherwise wait for ever."""
+    done = subprocess.run([sys.executable, "-c", HELD_IN_A_COMPILE], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])})
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "stopped (Ctrl-C) during a compile\n")
