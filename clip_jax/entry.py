@@ -15,7 +15,6 @@
   signal handler would run only once the compile returns (minutes for ViT-L). A watcher thread, woken by the
   signal itself (`signal.set_wakeup_fd`), ends such a process at once: the line, the unfinished files removed,
   `os._exit(130)` (no exit handlers run: nothing waits for the compile, and nothing crashes in it).
-
 - A warning a library logs (`logging`: a shard that cannot be read, a filter field a sample lacks) is a line like
   the commands' own, `warning: MESSAGE`, where nothing else prints it (Python would print the bare message).
 
@@ -33,6 +32,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from clip_jax.cuda_plugin import quiet_cuda_plugin
 from clip_jax.errors import RunFailed, UserError
 from clip_jax.runtime import private_apis, stop_signals
 
@@ -46,8 +46,8 @@ def command(stopped: str = NOTHING_WRITTEN, *, user_error: int = USAGE_ERROR, ru
             interrupts: bool = True) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
     """`main(argv=None) -> int` of a command, run by `run` (see the module's docstring). `stopped`: the Ctrl-C
     line's end, what it says of the outputs; `run_failed`: the status of a `RunFailed` (the planner, which runs
-    nothing, gives 2); `interrupts=False` for a command that takes stop signals itself and
-    sets up its own logging (the trainer)."""
+    nothing, gives 2); `interrupts=False` for a command that takes stop signals itself
+    and sets up its own logging (the trainer)."""
     def wrap(main: Callable[..., int | None]) -> Callable[..., int]:
         @functools.wraps(main)
         def entry(*args, **kwargs) -> int:
@@ -60,9 +60,7 @@ def command(stopped: str = NOTHING_WRITTEN, *, user_error: int = USAGE_ERROR, ru
 def run(work: Callable[[], int | None], *, stopped: str = NOTHING_WRITTEN, user_error: int = USAGE_ERROR,
         run_failed: int = RUN_FAILED, interrupts: bool = True) -> int:
     """`work()`'s exit status (None: 0), or that of how it ended (see the module's docstring)."""
-    from clip_jax.runtime import xla_gpu
-
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
+    quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     line = f"stopped (Ctrl-C) {stopped}"
     try:
         with (ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext(),
