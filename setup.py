@@ -11,7 +11,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["clip_jax", "clip_jax.*"]),
-    package_data={"clip_jax": ["*.txt.gz", "*.txt", "evaluation/*.json"]},
+    package_data={"clip_jax": ["text/*.txt.gz", "text/*.txt", "evaluation/*.json"]},
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",
@@ -23,7 +23,7 @@ setup(
         "tensorflow-datasets>=4.9.10",
         "numpy>=2.0",
         "tokenizers>=0.23",
-        "sentencepiece>=0.2",  # SigLIP's spiece.model and Gemma's tokenizer.model (clip_jax.sentencepiece_tokenizer)
+        "sentencepiece>=0.2",  # SigLIP's spiece.model and Gemma's tokenizer.model (clip_jax/text/)
         "ftfy>=6.3",
         "regex>=2026.1.1",
         "pillow>=12.0",

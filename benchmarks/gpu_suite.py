@@ -16,7 +16,12 @@ order `--phases` gives:
   with each attention kernel, then OpenCLIP with the same precision (`amp_bf16` autocast for bf16; TF32 matmuls for
   fp32, as OpenCLIP's `main` sets them) and gradient checkpointing when the policy rematerialises;
 - sweep: the fastest bf16 clip_jax setting and the fastest bf16 OpenCLIP setting of the core, at every other batch;
-- specs: the runs a JSON file lists (benchmarks/specs/), each with optional extra `xla_flags` for its process.
+- specs: the runs a JSON file lists (benchmarks/specs/), each with optional extra `xla_flags` for its process:
+  "adopted" stands for the XLA:GPU flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_FLAGS) and
+  "adopted, each off" for one run per adopted flag with the others on and that one off; a run with `"numerics":
+  true` also records the loss and gradient norm of its first steps from the same start, so that a flag's runs on
+  and off compare its numerics. Before the phase runs, the suite prints what it expects it to take (`--estimate`
+  prints only that): each run at the seconds the same run took in earlier leases (benchmarks/results/h200-*.jsonl).
 
 A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
 back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's datasheet peak
@@ -36,6 +41,15 @@ import statistics
 import subprocess
 import sys
 import time
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+ADOPTED = "adopted"  # a spec's xla_flags: the XLA:GPU flags the project adopts
+EACH_ADOPTED_OFF = "adopted, each off"  # one run per adopted flag: the others on, that one off
+# What a lease costs besides its runs, in seconds: the machine's start (a minute or more: two allowed) and
+# gpu_suite.sh's set-up (the carried wheels, the import check: 458 s on the device for 429 s of runs, RESULTS 30).
+LEASE_START_S = 120.0
+SETUP_S = 30.0
+GPU_TIME_LIMIT_S = 15 * 60.0  # a lease's device time, all told
 
 # A tiny CLIP for the CPU smoke test (OpenCLIP's model-config format: both frameworks build it).
 TINY_MODEL = {
@@ -95,6 +109,9 @@ def measure_clip_jax(spec: dict) -> dict:
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     metrics = None
+    numerics = None
+    if spec.get("numerics"):  # from the step's fresh state, before anything else runs
+        numerics, state = first_steps(compiled, state, batch)
 
     def run_steps(n: int) -> None:
         nonlocal state, metrics
@@ -122,6 +139,8 @@ def measure_clip_jax(spec: dict) -> dict:
     }
     if kernels is not None:
         result["kernels"] = kernels
+    if numerics is not None:
+        result["numerics"] = numerics
     m = result["xla_memory"]
     result["xla_memory"]["total"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
     if spec.get("planner_check"):
@@ -266,6 +285,19 @@ def measure_matmul(spec: dict) -> dict:
             "device_kind": jax.devices()[0].device_kind}
 
 
+NUMERICS_STEPS = 5  # a numerics run's first steps, recorded before the timed rounds
+
+
+def first_steps(compiled, state, batch) -> tuple[dict, object]:
+    """The loss and global gradient norm of the first NUMERICS_STEPS steps from `state`, and the state after them."""
+    loss, grad_norm = [], []
+    for _ in range(NUMERICS_STEPS):
+        state, metrics = compiled(state, batch)
+        loss.append(float(metrics["loss"]))
+        grad_norm.append(float(metrics["grad_norm"]))
+    return {"loss": loss, "grad_norm": grad_norm}, state
+
+
 def measure(spec: dict) -> dict:
     """One run, in this process: the spec and its numbers."""
     if spec["framework"] == "matmul":
@@ -300,6 +332,65 @@ def run_isolated(spec: dict, timeout: float) -> dict:
     tail = done.stderr[-2000:]
     oom = any(sign in done.stderr for sign in ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemoryError"))
     return {**spec, "status": "oom" if oom else "failed", "seconds": seconds, "stderr_tail": tail}
+
+
+def adopted_flags() -> dict:
+    from clip_jax.runtime.xla_gpu import ADOPTED_FLAGS
+
+    return dict(ADOPTED_FLAGS)
+
+
+def expand_spec(extra: dict) -> list[dict]:
+    """The runs one entry of a specs file stands for, their `xla_flags` as XLA_FLAGS writes them (the module's doc
+    says what "adopted" and "adopted, each off" stand for). A boolean flag is switched off by its other value (last in
+    XLA_FLAGS, it wins over the same flag set before), any other by leaving it out."""
+    from clip_jax.runtime.xla_gpu import xla_flags_text
+
+    adopted = adopted_flags()
+    if extra.get("xla_flags") == ADOPTED:
+        return [{**extra, "xla_flags": xla_flags_text(adopted)}]
+    if extra.get("xla_flags") == EACH_ADOPTED_OFF:
+        runs = []
+        for name, value in adopted.items():
+            others = {other: v for other, v in adopted.items() if other != name}
+            flags = {**others, name: not value} if isinstance(value, bool) else others
+            runs.append({**extra, "xla_flags": xla_flags_text(flags), "flag_off": name})
+        return runs
+    return [extra]
+
+
+def recorded_runs(results: pathlib.Path = RESULTS) -> list[dict]:
+    """Every finished run earlier leases recorded, with its seconds (compile or first step, warm-up, rounds)."""
+    runs = [json.loads(line) for path in sorted(results.glob("h200-*.jsonl")) for line in path.read_text().splitlines()]
+    return [r for r in runs if r.get("status") == "ok" and r.get("seconds")]
+
+
+def estimated_seconds(spec: dict, recorded: list[dict]) -> float:
+    """What a run will take: the mean seconds of the same run in earlier leases (framework, precision, remat, batch,
+    attention; XLA flags and numerics aside), else of the framework's runs at that batch, else its longest run."""
+    def same(run: dict, keys: tuple) -> bool:
+        return all(run.get(key, "-") == spec.get(key, "-") for key in keys)
+
+    for keys in (("framework", "precision", "remat", "batch", "attention"), ("framework", "batch")):
+        seconds = [run["seconds"] for run in recorded if same(run, keys)]
+        if seconds:
+            return statistics.mean(seconds)
+    return max(run["seconds"] for run in recorded if run["framework"] == spec["framework"])
+
+
+def estimate_lines(runs: list[dict], recorded: list[dict]) -> tuple[list[str], float]:
+    """The table of what each run is expected to take, and the lease's expected device time, all told."""
+    lines = [f"expected GPU time (each run at its earlier leases' seconds, {len(recorded)} recorded runs):"]
+    total = LEASE_START_S + SETUP_S
+    for spec in runs:
+        seconds = estimated_seconds(spec, recorded)
+        total += seconds
+        flags = f" xla_flags={spec['xla_flags']}" if spec.get("xla_flags") else ""
+        lines.append(f"  {seconds:6.0f} s  {spec['framework']} {spec['precision']} remat={spec['remat']} "
+                     f"attn={spec.get('attention', '-')} batch={spec['batch']}{flags}")
+    lines.append(f"  {LEASE_START_S + SETUP_S:6.0f} s  the machine's start and the suite's set-up")
+    lines.append(f"  {total:6.0f} s  in all ({total / 60:.1f} of the lease's {GPU_TIME_LIMIT_S / 60:.0f} minutes)")
+    return lines, total
 
 
 def spec_for(args, framework: str, precision: str, remat: str, batch: int, attention: str = "-",
@@ -375,7 +466,26 @@ def format_table(results: list[dict]) -> str:
             lines.append(f"  {precision} batch {batch} {'no remat' if no_remat else 'remat'}: "
                          f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x "
                          f"({ours['remat']}, {ours['attention']})")
-    return "\n".join(lines)
+    return "\n".join(lines + numerics_lines(results))
+
+
+def numerics_lines(results: list[dict]) -> list[str]:
+    """Each adopted flag switched off against the run with every adopted flag on, same setting: how far its first
+    steps' losses and gradient norms move (both runs start from the same state and batch), and its speed."""
+    setting = ("framework", "precision", "remat", "attention", "batch")
+    lines = []
+    for off in (r for r in results if r.get("flag_off") and "numerics" in r):
+        on = next((r for r in results if "numerics" in r and not r.get("flag_off")
+                   and all(r[k] == off[k] for k in setting)), None)
+        if on is None:
+            continue
+        moved = {name: max(abs(a - b) / abs(b) for a, b in zip(off["numerics"][name], on["numerics"][name]))
+                 for name in ("loss", "grad_norm")}
+        lines.append(f"  {off['flag_off']} ({off['precision']} {off['remat']} {off['batch']}): off against on, first "
+                     f"{len(on['numerics']['loss'])} steps: loss within {moved['loss']:.1e}, gradient norm within "
+                     f"{moved['grad_norm']:.1e} (relative); {on['samples_per_s'] / off['samples_per_s']:.3f}x "
+                     "the samples/s on")
+    return ["", "adopted XLA flags' numerics:", *lines] if lines else []
 
 
 def environment() -> dict:
@@ -404,6 +514,23 @@ def sweep(args, results: list[dict], run) -> None:
                          chosen["attention"]))
 
 
+def planned_runs(args, phase: str, out: pathlib.Path) -> list[dict]:
+    """The runs of the matmul and specs phases, known before any runs (the others depend on earlier results)."""
+    if phase == "matmul":
+        return [{**spec_for(args, "matmul", precision, "-", 1024 if args.tiny else 8192), "steps": 10}
+                for precision in args.precisions]
+    if phase != "specs":
+        return []
+    runs = []
+    for extra in (run for entry in json.loads(pathlib.Path(args.specs).read_text()) for run in expand_spec(entry)):
+        spec = {**spec_for(args, extra["framework"], extra["precision"], extra["remat"], extra["batch"],
+                           extra.get("attention", "-")), **extra}
+        if args.profile and spec["framework"] == "clip_jax":  # the first run's raw trace and HLO come back
+            spec.update(profile_dir=str(out.resolve()), profile_name=f"spec{len(runs)}", keep_raw=not runs)
+        runs.append(spec)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--one", help="run one spec (JSON) in this process and print its result")
@@ -414,7 +541,9 @@ def main() -> None:
                         help="run in this order: matmul (the measured peak), core (every precision), "
                              "core:PRECISION (one), sweep, specs (the runs listed in --specs)")
     parser.add_argument("--specs", help="JSON file: a list of runs ({framework, precision, remat, batch, attention, "
-                                        "xla_flags?}) for the specs phase")
+                                        "xla_flags?, numerics?}) for the specs phase")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the GPU time the matmul and specs phases are expected to take, run nothing")
     parser.add_argument("--precisions", default="bf16,fp32")
     parser.add_argument("--remats", default="none,nothing_saveable,dots_saveable")
     parser.add_argument("--attentions", default="cudnn,xla")
@@ -439,8 +568,16 @@ def main() -> None:
     args.precisions, args.remats = args.precisions.split(","), args.remats.split(",")
     args.attentions = args.attentions.split(",")
     phases = args.phases.split(",")
-
     out = pathlib.Path(args.out)
+    if args.estimate or "specs" in phases:
+        planned = [spec for phase in phases for spec in planned_runs(args, phase, out)]
+        lines, _ = estimate_lines(planned, recorded_runs())
+        print("\n".join(lines), flush=True)
+        if args.estimate:
+            if any(phase.startswith(("core", "sweep")) for phase in phases):
+                print("(the core and sweep phases are not estimated)")
+            return
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_env.json").write_text(json.dumps(environment(), indent=2) + "\n")
     results_file = out / "gpu_suite.jsonl"
@@ -466,16 +603,9 @@ def main() -> None:
               f"batch={spec['batch']}{flags}: {rate}", flush=True)
 
     for phase in phases:
-        if phase == "specs":
-            for index, extra in enumerate(json.loads(pathlib.Path(args.specs).read_text())):
-                spec = {**spec_for(args, extra["framework"], extra["precision"], extra["remat"], extra["batch"],
-                                   extra.get("attention", "-")), **extra}
-                if args.profile and spec["framework"] == "clip_jax":  # the first run's raw trace and HLO come back
-                    spec.update(profile_dir=str(out.resolve()), profile_name=f"spec{index}", keep_raw=index == 0)
+        if phase in ("specs", "matmul"):
+            for spec in planned_runs(args, phase, out):
                 run(spec)
-        elif phase == "matmul":
-            for precision in args.precisions:
-                run({**spec_for(args, "matmul", precision, "-", 1024 if args.tiny else 8192), "steps": 10})
         elif phase == "core" or phase.startswith("core:"):
             for spec in core_specs(args, args.precisions if phase == "core" else [phase.split(":", 1)[1]]):
                 run(spec)

@@ -24,7 +24,7 @@ from clip_jax.data.transforms import eval_crop, normalize
 from clip_jax.interop import guide
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
-from clip_jax.tokenizer import tokenize
+from clip_jax.text.clip_tokenizer import tokenize
 
 
 def prompts() -> list[str]:

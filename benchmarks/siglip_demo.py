@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from precision_runs import read_demo_metrics  # noqa: E402
 
 from clip_jax.data import fashion_mnist  # noqa: E402
-from clip_jax.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
+from clip_jax.text.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
 
 CLIP_DEMO_TOP1 = 0.7677  # the CLIP demo's zero-shot top-1 (README), the same data and steps
 DEMO_TINY = REPO / "configs" / "models" / "demo-tiny.json"
@@ -63,7 +63,7 @@ def set_up(out: pathlib.Path, vocab_size: int, style: str,
         texts = fashion_mnist.captions(labels, seed=0)
         texts += [p for name in fashion_mnist.CLASS_NAMES for p in fashion_mnist.zeroshot_prompts(name)]
         train_sentencepiece(texts, vocab, vocab_size, style, context_length=32)
-    from clip_jax.sentencepiece_tokenizer import SentencePieceTokenizer
+    from clip_jax.text.sentencepiece_tokenizer import SentencePieceTokenizer
 
     size = SentencePieceTokenizer.from_folder(vocab).vocab_size
     if not model.exists():

@@ -1,32 +1,37 @@
-"""The step-time model (clip_jax.plan.step_time) fitted on the H200 measurements, and checked leave-one-out.
+"""The step-time model (clip_jax.plan.step_time) fitted on the H200 measurements, and checked on rows it was not
+fitted on.
 
-    python benchmarks/step_time_model.py [--out DIR] [--cache DIR]
-    python benchmarks/step_time_model.py --check results/h200-DAY-NAME.jsonl   # a later lease, held out
+    python benchmarks/step_time_model.py [--out DIR] [--cache DIR] [--before FIT.json] [--held-out FILE ...]
+    python benchmarks/step_time_model.py --check results/h200-DAY-NAME.jsonl   # a later lease, the saved fit
 
-
-Reads every ViT-L/14 clip_jax run the GPU suite recorded on an H200 (benchmarks/results/h200-*.jsonl) and the two
-kernel profiles of 2026-12-04 (benchmarks/results/h200-2026-12-04-*.xplane.pb.gz: the device's kernels over two
-steps). Compiles today's step at each measured setting for one H200 without a GPU (deviceless XLA:GPU, as the
-planner does; the HLO is cached in --cache) and reads its kernels (clip_jax.runtime.hlo_kernels).
+The refit runs whenever a lease's results arrive: put its gpu_suite.jsonl in benchmarks/results as
+h200-DAY-NAME.jsonl (its kept traces beside it, named in RAW_TRACES where its lines do not name their kernels) and
+run the first command. Its rows are GPU measurements only: every finished ViT-L/14 clip_jax run an H200 recorded
+(benchmarks/results/h200-*.jsonl; runs with XLA flags other than the adopted ones left out), each setting's mean step
+time one row, and each part of each traced run (gpu_suite.py --profile: matrix products, attention, memory-bound
+kernels, from the run's results line or its kept trace) one row more. Anything else a results file holds (a CPU
+smoke run, a failed run, another GPU's) changes nothing. Compiles today's step at each measured setting for one H200
+without a GPU (deviceless XLA:GPU, as the planner does, with the run's adopted XLA flags; the HLO is cached in
+--cache) and reads its kernels (clip_jax.runtime.hlo_kernels).
 
 The matrix products run at the matmul peak the suite measured for their precision (an 8192^3 product through XLA:
 bf16 and TF32; FP8 at twice bf16's, not measured) times one fitted factor for the step's shapes. That factor and
 the other three constants (fused-attention efficiency, memory efficiency, launch cost) are fitted by non-negative
-least squares on relative errors: one row per measured
-setting (its mean step time), one per part of each profiled step (matrix products, attention, memory-bound kernels:
-the trace's kernel times). Each kernel counts its compute or its memory term, whichever the current constants make
-larger; the fit repeats until no kernel changes side. Then each setting is predicted by a fit without it (and
-without its profile, if it has one): leave-one-out. Beside it, the constant-MFU rule the planner had (its bf16 and
-fp32 MFU measured on 2026-11-30). Prints the tables and writes DIR/step_time_model.json.
+least squares on relative errors. Each kernel counts its compute or its memory term, whichever the current constants
+make larger; the fit repeats until no kernel changes side. Custom calls (Pallas kernels) count as memory-bound.
+
+Checked two ways: each setting predicted by a fit without it and its traces (leave-one-out), and each results file
+of the newest day (--held-out: any) predicted by a fit on every other file's rows, as a later lease is. Every table
+sets the fit before this one (--before; by default the newest results/cpu-DAY-step-time-model.json, the fit
+step_time.H200_FIT holds) beside the refit. Prints the tables and writes DIR/step_time_model.json and .txt.
 
 What differs from the device: the measurements ran jax 0.11.2 with autotuning and Triton GEMMs; the deviceless
 compile here runs the installed jax without either (so the Triton on/off pair measured on 2026-11-30 is out of
 reach and left out), and 2026-11-30's code was a few refactors older (RESULTS 10: < 1% in speed).
 
 --check FILE fits nothing: it predicts the settings FILE measured with the efficiencies clip_jax.plan.step_time
-holds (`H200_FIT`, fitted before FILE existed), beside what FILE and the other files measured at each setting, and
-each part's time (products, attention, memory-bound) in the kernels FILE's runs traced (gpu_suite.py --profile);
-it writes DIR/step_time_check.json.
+holds (`H200_FIT`), beside what FILE and the other files measured at each setting, and each part's time (products,
+attention, memory-bound) in the kernels FILE's runs traced; it writes DIR/step_time_check.json.
 """
 
 import argparse
@@ -48,7 +53,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.optimize import nnls  # noqa: E402
 
-from clip_jax import plan  # noqa: E402
 from clip_jax.plan import step_time  # noqa: E402
 from clip_jax.plan.cost import MEASURED_MFU  # noqa: E402
 from clip_jax.models import get_model_config  # noqa: E402
@@ -56,7 +60,7 @@ from clip_jax.models.flops import train_flops  # noqa: E402
 from clip_jax.runtime import hlo_kernels  # noqa: E402
 from clip_jax.runtime.hardware import get_gpu  # noqa: E402
 from clip_jax.runtime.mesh import create_mesh  # noqa: E402
-from clip_jax.training.step_factory import StepSpec  # noqa: E402
+from clip_jax.training.step_factory import StepSpec, build_step  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 GPU = get_gpu("h200")
@@ -77,12 +81,21 @@ LEVERS = [
     ("batch 512 over 128 (nothing_saveable, cuDNN)", ("bf16", "nothing_saveable", "cudnn", 512),
      ("bf16", "nothing_saveable", "cudnn", 128)),
 ]
-PROFILES = {  # the kernel profiles of 2026-12-04, by setting
-    ("bf16", "dots_saveable", "cudnn", 256): "h200-2026-12-04-bf16-dots_saveable-cudnn-256.xplane.pb.gz",
-    ("fp32", "dots_saveable", "xla", 256): "h200-2026-12-04-fp32-dots_saveable-xla-256.xplane.pb.gz",
-    ("bf16", "nothing_saveable", "cudnn", 512): "h200-2026-12-04-bf16-nothing_saveable-cudnn-512.xplane.pb.gz",
+# The raw traces the suite kept (the first clip_jax run of a call with --profile), by (results file, setting). A run
+# whose results line lists its kernels by name (`hlo_op` beside each) is split into parts from that line; the first
+# lease of 2026-12-04 recorded them by the CUDA graph they ran in, so only its kept traces split its runs.
+RAW_TRACES = {
+    ("h200-2026-12-04-next.jsonl", ("bf16", "dots_saveable", "cudnn", 256)):
+        "h200-2026-12-04-bf16-dots_saveable-cudnn-256.xplane.pb.gz",
+    ("h200-2026-12-04-after.jsonl", ("fp32", "dots_saveable", "xla", 256)):
+        "h200-2026-12-04-fp32-dots_saveable-xla-256.xplane.pb.gz",
+    ("h200-2026-12-04-heldout.jsonl", ("bf16", "nothing_saveable", "cudnn", 512)):
+        "h200-2026-12-04-bf16-nothing_saveable-cudnn-512.xplane.pb.gz",
 }
 PROFILED_STEPS = 2  # benchmarks/gpu_suite.py traced two steps
+# The fits this benchmark saved (results/cpu-DAY-step-time-model.json), the newest of them being the one
+# step_time.H200_FIT holds: "before" in a refit's tables unless --before names another.
+SAVED_FITS = "cpu-*-step-time-model.json"
 # Steps no GPU has measured, predicted with the fit: (gpu, precision, remat, attention, per-GPU batch). The recipe's
 # 224 per A100-40GB (OpenCLIP's run: 72.6 samples/s per GPU on 384, fp16 AMP) and the H100 beside the H200.
 PREDICT_ONLY = [
@@ -97,6 +110,22 @@ PREDICT_ONLY = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """One traced run's device kernels: seconds per step by kernel name, and the results file it came from."""
+
+    kernels: dict
+    source: str
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """Seconds per step of each part: gemm, attention, memory (trace_part)."""
+        parts: dict[str, float] = collections.defaultdict(float)
+        for name, seconds in self.kernels.items():
+            parts[trace_part(name)] += seconds
+        return dict(parts)
+
+
 @dataclasses.dataclass
 class Setting:
     precision: str
@@ -104,17 +133,20 @@ class Setting:
     attention: str
     batch: int
     numerics: tuple = ()  # ((name, value), ...) of StepSpec's numerics options
+    xla_flags: tuple = ()  # ((flag, value), ...): the adopted XLA:GPU flags the run set (xla_gpu.ADOPTED_FLAGS)
     measured: list = dataclasses.field(default_factory=list)  # (samples/s, source file)
     superseded: list = dataclasses.field(default_factory=list)  # earlier days' runs of a setting measured again
+    profiled: list = dataclasses.field(default_factory=list)  # a Trace per traced run
     kernels: list | None = None
 
     @property
     def key(self) -> tuple:
-        return (self.precision, self.remat, self.attention, self.batch) + tuple(v for _, v in self.numerics)
+        return ((self.precision, self.remat, self.attention, self.batch) + tuple(v for _, v in self.numerics)
+                + tuple(f"{name}={value}" for name, value in self.xla_flags))
 
     @property
     def label(self) -> str:
-        extra = "".join(f" {name}={value}" for name, value in self.numerics)
+        extra = "".join(f" {name}={value}" for name, value in self.numerics + self.xla_flags)
         return f"{self.precision} {self.remat} {self.attention} {self.batch}{extra}"
 
     @property
@@ -122,33 +154,66 @@ class Setting:
         return self.batch / statistics.mean(rate for rate, _ in self.measured)
 
 
+def lease_files(results: pathlib.Path = RESULTS) -> list[pathlib.Path]:
+    """The GPU suite's results files of H200 leases, oldest first."""
+    return sorted(results.glob("h200-*.jsonl"))
+
+
 def measured_settings(paths=None) -> list[Setting]:
     """Every finished ViT-L/14 clip_jax run on an H200 (in `paths`, else in every results file), grouped by setting
-    (Triton-off runs left out). A setting measured on several days keeps its latest day's runs: the step changed in
-    between (2026-12-02's lean LayerNorm and GELU halved the memory of the step without remat), and the model
-    predicts today's."""
+    (Triton-off runs left out), with the parts of each traced run. A setting measured on several days keeps its
+    latest day's runs: the step changed in between (2026-12-02's lean LayerNorm and GELU halved the memory of the
+    step without remat), and the model predicts today's. Only a GPU's measurements are rows: whatever else a results
+    file holds (a CPU smoke run, a failed or flagged run, another GPU's) changes nothing."""
     settings: dict[tuple, Setting] = {}
-    for path in sorted(RESULTS.glob("h200-*.jsonl")) if paths is None else paths:
+    for path in lease_files() if paths is None else paths:
         for line in path.read_text().splitlines():
             run = json.loads(line)
-            if (run.get("framework") != "clip_jax" or run.get("status") != "ok" or run.get("model") != "ViT-L-14"
-                    or "H200" not in run.get("device_kind", "") or run.get("xla_flags")):
+            if not is_h200_row(run):
                 continue
-            setting = Setting(run["precision"], run["remat"], run["attention"], run["batch"], _numerics(run))
-            settings.setdefault(setting.key, setting).measured.append((run["samples_per_s"], path.name))
+            setting = Setting(run["precision"], run["remat"], run["attention"], run["batch"], _numerics(run),
+                              _flags(run))
+            setting = settings.setdefault(setting.key, setting)
+            setting.measured.append((run["samples_per_s"], path.name))
+            kernels = traced_kernels(run, path)
+            if kernels is not None:
+                setting.profiled.append(Trace(kernels, path.name))
     for setting in settings.values():
         latest = max(_day(source) for _, source in setting.measured)
         setting.superseded = [(rate, source) for rate, source in setting.measured if _day(source) != latest]
         setting.measured = [(rate, source) for rate, source in setting.measured if _day(source) == latest]
+        setting.profiled = [trace for trace in setting.profiled if _day(trace.source) == latest]
     return list(settings.values())
+
+
+def is_h200_row(run: dict) -> bool:
+    """A finished ViT-L/14 clip_jax step an H200 measured, with no XLA flags but adopted ones (the compile here
+    sets those as the run did; others, such as Triton GEMMs off, it cannot tell from the step without them)."""
+    return (run.get("framework") == "clip_jax" and run.get("status") == "ok" and run.get("model") == "ViT-L-14"
+            and "H200" in (run.get("device_kind") or "")
+            and set(xla_gpu.parse_xla_flags(run.get("xla_flags") or "")) <= set(xla_gpu.ADOPTED_FLAGS))
+
+
+def traced_kernels(run: dict, path: pathlib.Path) -> dict[str, float] | None:
+    """Seconds per step of each device kernel a run traced, by name: from its results line where that names every
+    kernel, else from the raw trace the suite kept of it; None if neither."""
+    ops = (run.get("kernels") or {}).get("ops")
+    if ops and all("hlo_op" in op for op in ops.values()):
+        return {name: op["us"] * 1e-6 for name, op in ops.items()}
+    raw = RAW_TRACES.get((path.name, _key(run)))
+    return profile_kernels(path.parent / raw) if raw else None
 
 
 def _numerics(run: dict) -> tuple:
     return tuple((name, run[name]) for name in NUMERICS if run.get(name))
 
 
+def _flags(run: dict) -> tuple:
+    return tuple(sorted(xla_gpu.parse_xla_flags(run.get("xla_flags") or "").items()))
+
+
 def _key(run: dict) -> tuple:
-    return (run["precision"], run["remat"], run["attention"], run["batch"]) + tuple(v for _, v in _numerics(run))
+    return Setting(run["precision"], run["remat"], run["attention"], run["batch"], _numerics(run), _flags(run)).key
 
 
 def _day(source: str) -> str:
@@ -163,11 +228,20 @@ def compile_kernels(setting: Setting, cache: pathlib.Path, gpu=GPU) -> list:
         spec = StepSpec(get_model_config("ViT-L-14"), setting.precision, setting.remat,
                         attention_impl=setting.attention, **dict(setting.numerics))
         start = time.perf_counter()
-        compiled = plan.compile_train_step(spec, create_mesh(xla_gpu.devices(gpu, 1, 1)), setting.batch)
+        step = build_step(spec, create_mesh(xla_gpu.devices(gpu, 1, 1)))
+        lowered = step.update.lower(step.abstract_state, step.abstract_batch(setting.batch))
+        compiled = lowered.compile(compiler_options=compile_options(setting))
         with gzip.open(path, "wt") as f:
             f.write(compiled.as_text())
         print(f"compiled {setting.label} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return hlo_kernels.kernels(gzip.open(path, "rt").read())
+
+
+def compile_options(setting: Setting) -> dict:
+    """A deviceless compile's options with the adopted XLA flags as the run had them: those it did not set are
+    compiled as XLA's defaults (an adopted flag changes one: a boolean's default is its other value)."""
+    unset = {name: not value for name, value in xla_gpu.ADOPTED_FLAGS.items() if isinstance(value, bool)}
+    return {**xla_gpu.COMPILER_OPTIONS, **unset, **dict(setting.xla_flags)}
 
 
 def trace_part(kernel_name: str) -> str:
@@ -182,28 +256,29 @@ def trace_part(kernel_name: str) -> str:
     return "memory"  # XLA's fusions, copies, memsets
 
 
-def profile_parts(path: pathlib.Path) -> dict[str, float]:
-    """Seconds per step the profiled kernels of each part took on the GPU."""
+def profile_kernels(path: pathlib.Path) -> dict[str, float]:
+    """Seconds per step each profiled kernel took on the GPU, by name, from a kept trace."""
     with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as raw:
         raw.write(gzip.open(path).read())
         raw.flush()
         data = jax.profiler.ProfileData.from_file(raw.name)
-    parts: dict[str, float] = collections.defaultdict(float)
+    kernels: dict[str, float] = collections.defaultdict(float)
     for plane in data.planes:
         if plane.name.startswith("/device:"):
             for line in plane.lines:
                 for event in line.events:
-                    parts[trace_part(event.name)] += event.duration_ns * 1e-9 / PROFILED_STEPS
-    return dict(parts)
+                    kernels[event.name[:160]] += event.duration_ns * 1e-9 / PROFILED_STEPS  # as the suite keys them
+    return dict(kernels)
 
 
 def matmul_peaks() -> dict[str, float]:
     """FLOP/s of the 8192^3 products the suite measured on the H200, mean per precision: {"bf16": ..., "f32": ...}."""
-    runs = [json.loads(line) for path in sorted(RESULTS.glob("h200-*.jsonl")) for line in path.read_text().splitlines()]
+    runs = [json.loads(line) for path in lease_files() for line in path.read_text().splitlines()]
     peaks = {}
     for precision, dtype in (("bf16", "bf16"), ("fp32", "f32")):
         peaks[dtype] = 1e12 * statistics.mean(r["tflops"] for r in runs if r.get("framework") == "matmul"
-                                              and r.get("status") == "ok" and r["precision"] == precision)
+                                              and r.get("status") == "ok" and r["precision"] == precision
+                                              and "H200" in (r.get("device_kind") or ""))
     return peaks
 
 
@@ -232,8 +307,9 @@ def compute_bound(kernel, theta: np.ndarray | None) -> bool:
     return float(terms @ theta) >= kernel.bytes * kernel.runs * theta[COLUMNS.index("memory")]
 
 
-def design_rows(settings: list[Setting], profiles: dict[tuple, dict], theta) -> tuple[list, list, list]:
-    """(coefficients, measured seconds, what each row is) for the fit."""
+def design_rows(settings: list[Setting], theta) -> tuple[list, list, list]:
+    """(coefficients, measured seconds, what each row is) for the fit: one row per setting (its mean step), one per
+    part of each traced run."""
     rows, times, labels = [], [], []
     for setting in settings:
         row = sum(kernel_terms(k, compute_bound(k, theta)) for k in setting.kernels)
@@ -241,11 +317,12 @@ def design_rows(settings: list[Setting], profiles: dict[tuple, dict], theta) -> 
         rows.append(row)
         times.append(setting.step_s)
         labels.append(f"step {setting.label}")
-        for part, seconds in profiles.get(setting.key, {}).items():
-            members = [k for k in setting.kernels if _profile_part(k) == part]
-            rows.append(sum((kernel_terms(k, compute_bound(k, theta)) for k in members), np.zeros(len(COLUMNS))))
-            times.append(seconds)
-            labels.append(f"profile {setting.label}: {part}")
+        for trace in setting.profiled:
+            for part, seconds in trace.parts.items():
+                members = [k for k in setting.kernels if _profile_part(k) == part]
+                rows.append(sum((kernel_terms(k, compute_bound(k, theta)) for k in members), np.zeros(len(COLUMNS))))
+                times.append(seconds)
+                labels.append(f"profile {setting.label} ({trace.source}): {part}")
     return rows, times, labels
 
 
@@ -253,11 +330,11 @@ def _profile_part(kernel) -> str:
     return kernel.kind if kernel.kind in ("gemm", "attention") else "memory"
 
 
-def fit(settings: list[Setting], profiles: dict[tuple, dict]) -> tuple[np.ndarray, list[str]]:
+def fit(settings: list[Setting]) -> tuple[np.ndarray, list[str]]:
     """The inverse rates that make the model's relative errors smallest (non-negative least squares)."""
     theta = None
     for _ in range(10):
-        rows, times, labels = design_rows(settings, profiles, theta)
+        rows, times, labels = design_rows(settings, theta)
         a = np.array(rows) / np.array(times)[:, None]
         scale = a.max(axis=0)
         scale[scale == 0] = 1.0
@@ -269,14 +346,34 @@ def fit(settings: list[Setting], profiles: dict[tuple, dict]) -> tuple[np.ndarra
     return theta, labels
 
 
-def efficiencies(theta: np.ndarray, fitted_on: str) -> step_time.Efficiencies:
-    """The fitted inverse rates as fractions of the datasheet figures `step_time` scales."""
+def efficiencies(theta: np.ndarray, fitted_on: str, custom_calls: dict | None = None) -> step_time.Efficiencies:
+    """The fitted inverse rates as fractions of the datasheet figures `step_time` scales (and the Pallas kernels a
+    lease timed, `timed_custom_calls`)."""
     gemm = 1.0 / theta[COLUMNS.index("gemm")]  # of the measured matmul peak
     rate = lambda name: 1.0 / theta[COLUMNS.index(name)] / DATASHEET[name]
     return step_time.Efficiencies(gemm_16bit=gemm * PEAKS["bf16"] / DATASHEET["gemm_16bit"],
                                   gemm_tf32=gemm * PEAKS["f32"] / DATASHEET["gemm_tf32"],
                                   attention=rate("attention"), memory=rate("memory"),
-                                  launch_us=float(theta[COLUMNS.index("launch_us")]), fitted_on=fitted_on)
+                                  launch_us=float(theta[COLUMNS.index("launch_us")]), fitted_on=fitted_on,
+                                  custom_calls=dict(custom_calls or {}))
+
+
+def timed_custom_calls(settings: list[Setting]) -> dict[str, float]:
+    """The share of the memory bandwidth each Pallas kernel reached where a traced run timed it: its operand and
+    result bytes (every run in the step) over the seconds the trace gives the kernel of its name, the mean over the
+    runs that traced it. step_time prices a kernel found here at its own rate, and the others at the fitted
+    memory-bound efficiency."""
+    shares: dict[str, list[float]] = collections.defaultdict(list)
+    for setting in settings:
+        moved: dict[str, float] = collections.defaultdict(float)
+        for kernel in setting.kernels:
+            if kernel.kind == "custom_call":
+                moved[kernel.callee] += kernel.step_bytes
+        for trace in setting.profiled:
+            for callee, step_bytes in moved.items():
+                if trace.kernels.get(callee):
+                    shares[callee].append(step_bytes / trace.kernels[callee] / DATASHEET["memory"])
+    return {callee: statistics.mean(values) for callee, values in shares.items()}
 
 
 def predicted_step_s(setting: Setting, fitted: step_time.Efficiencies) -> step_time.StepTime:
@@ -290,47 +387,78 @@ def constant_mfu_rate(setting: Setting) -> float:
     return mfu * GPU.peak_tflops(setting.precision) * 1e12 / train_flops(get_model_config("ViT-L-14"))
 
 
+
+
+def with_kernels(settings: list[Setting], cache: pathlib.Path) -> list[Setting]:
+    for setting in settings:
+        setting.kernels = compile_kernels(setting, cache)
+    return settings
+
+
+def saved_fit(path: pathlib.Path) -> step_time.Efficiencies:
+    """The efficiencies a run of this benchmark saved (its JSON's `efficiencies`)."""
+    return step_time.Efficiencies(**json.loads(path.read_text())["efficiencies"])
+
+
+def newest_saved_fit() -> pathlib.Path:
+    return max(RESULTS.glob(SAVED_FITS), key=lambda p: p.name)
+
+
+def modelled_parts(predicted: step_time.StepTime) -> dict[str, float]:
+    """A prediction's parts as a trace splits them: products, attention, the memory-bound rest (custom calls in it)."""
+    split = predicted.split
+    return {"gemm": split["gemm"], "attention": split["attention"],
+            "memory": split["elementwise"] + split["optimizer"] + split["custom_calls"]}
+
+
+def mean_parts(setting: Setting) -> dict[str, float]:
+    """Each part's seconds per step, averaged over the setting's traced runs."""
+    return {part: statistics.mean(trace.parts.get(part, 0.0) for trace in setting.profiled)
+            for part in ("gemm", "attention", "memory")}
+
+
+def rate(setting: Setting, fitted: step_time.Efficiencies) -> float:
+    return setting.batch / predicted_step_s(setting, fitted).seconds
+
+
+def measured_rate(setting: Setting) -> float:
+    return statistics.mean(r for r, _ in setting.measured)
+
+
 def check(path: pathlib.Path, cache: pathlib.Path, out: pathlib.Path) -> None:
     """The settings `path` measured, predicted by the efficiencies step_time.py holds (see the module's doc)."""
-    held_out = measured_settings([path])
-    before = {s.key: s for s in measured_settings([p for p in sorted(RESULTS.glob("h200-*.jsonl"))
-                                                   if p.resolve() != path.resolve()])}
+    held_out = with_kernels(measured_settings([path]), cache)
+    before = {s.key: s for s in measured_settings([p for p in lease_files() if p.resolve() != path.resolve()])}
     lines = [f"{path.name}, predicted with step_time.H200_FIT ({step_time.H200_FIT.fitted_on})", "",
              f"{'setting':<52}{'measured':>12}{'before':>10}{'predicted':>11}{'error':>8}{'before err':>12}"]
     rows = []
     for setting in held_out:
-        setting.kernels = compile_kernels(setting, cache)
         predicted = step_time.predict(setting.kernels, step_time.KernelRates.of(GPU))
-        rate = setting.batch / predicted.seconds
-        measured = statistics.mean(r for r, _ in setting.measured)
+        predicted_rate = setting.batch / predicted.seconds
+        measured = measured_rate(setting)
         earlier = before.get(setting.key)
-        earlier_rate = statistics.mean(r for r, _ in earlier.measured) if earlier else None
+        earlier_rate = measured_rate(earlier) if earlier else None
         rows.append({"setting": setting.label, "key": list(setting.key), "measured": [r for r, _ in setting.measured],
                      "measured_before": [[r, s] for r, s in earlier.measured] if earlier else [],
-                     "predicted": rate, "error": rate / measured - 1,
-                     "error_before": rate / earlier_rate - 1 if earlier else None, "split_s": predicted.split})
-        lines.append(f"{setting.label:<52}{measured:>12.1f}{earlier_rate or float('nan'):>10.1f}{rate:>11.1f}"
-                     f"{rate / measured - 1:>8.1%}" + (f"{rate / earlier_rate - 1:>12.1%}" if earlier else ""))
+                     "predicted": predicted_rate, "error": predicted_rate / measured - 1,
+                     "error_before": predicted_rate / earlier_rate - 1 if earlier else None,
+                     "split_s": predicted.split})
+        lines.append(f"{setting.label:<52}{measured:>12.1f}{earlier_rate or float('nan'):>10.1f}"
+                     f"{predicted_rate:>11.1f}{predicted_rate / measured - 1:>8.1%}"
+                     + (f"{predicted_rate / earlier_rate - 1:>12.1%}" if earlier else ""))
     worst = max(rows, key=lambda r: abs(r["error"]))
     lines.append(f"largest error {worst['error']:.1%} ({worst['setting']})")
     # The kernel times each run's trace summed (gpu_suite.py --profile: per kernel name, over its traced steps).
     profile_rows = []
     lines += ["", "per part, ms per step: the run's traced kernels | predicted"]
     lines.append(f"{'setting':<52}" + "".join(f"{part:>19}" for part in ("gemm", "attention", "memory")))
-    runs = [json.loads(line) for line in path.read_text().splitlines()]
     for setting in held_out:
-        traced = [r["kernels"]["ops"] for r in runs if r.get("framework") == "clip_jax" and r.get("status") == "ok"
-                  and "ops" in (r.get("kernels") or {}) and _key(r) == setting.key]
-        if not traced:
+        if not setting.profiled:
             continue
-        parts = collections.defaultdict(float)
-        for ops in traced:
-            for name, op in ops.items():
-                parts[trace_part(name)] += op["us"] * 1e-6 / len(traced)
+        parts = mean_parts(setting)
         predicted = step_time.predict(setting.kernels, step_time.KernelRates.of(GPU))
-        modelled = {"gemm": predicted.split["gemm"], "attention": predicted.split["attention"],
-                    "memory": predicted.split["elementwise"] + predicted.split["optimizer"]}
-        profile_rows.append({"setting": setting.label, "traced_s": dict(parts), "predicted_s": modelled,
+        modelled = modelled_parts(predicted)
+        profile_rows.append({"setting": setting.label, "traced_s": parts, "predicted_s": modelled,
                              "predicted_launch_s": predicted.split["launch"]})
         lines.append(f"{setting.label:<52}" + "".join(
             f"{parts[part] * 1e3:>10.1f} |{modelled[part] * 1e3:>7.1f}" for part in ("gemm", "attention", "memory")))
@@ -341,11 +469,41 @@ def check(path: pathlib.Path, cache: pathlib.Path, out: pathlib.Path) -> None:
     (out / "step_time_check.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
+def held_out_check(path: pathlib.Path, cache: pathlib.Path, before: step_time.Efficiencies) -> dict:
+    """The settings one results file measured, predicted by a fit on every other file's rows (none of its runs or
+    traces), beside the fit before this one."""
+    others = with_kernels(measured_settings([p for p in lease_files() if p.resolve() != path.resolve()]), cache)
+    held = efficiencies(fit(others)[0], f"all rows but {path.name}'s")
+    settings = []
+    for setting in with_kernels(measured_settings([path]), cache):
+        measured = measured_rate(setting)
+        row = {"setting": setting.label, "key": list(setting.key), "measured": measured,
+               "before": rate(setting, before), "held_out": rate(setting, held)}
+        row.update(error_before=row["before"] / measured - 1, error_held_out=row["held_out"] / measured - 1)
+        if setting.profiled:
+            row["traced_s"] = mean_parts(setting)
+            row["before_s"] = modelled_parts(predicted_step_s(setting, before))
+            row["held_out_s"] = modelled_parts(predicted_step_s(setting, held))
+        settings.append(row)
+    return {"file": path.name, "efficiencies": dataclasses.asdict(held), "settings": settings}
+
+
+def efficiency_lines(before: step_time.Efficiencies, after: step_time.Efficiencies) -> list[str]:
+    lines = [f"{'efficiency (of the datasheet)':<34}{'before':>9}{'after':>9}"]
+    for name in ("gemm_16bit", "gemm_tf32", "attention", "memory", "launch_us"):
+        lines.append(f"  {name:<32}{getattr(before, name):>9.3f}{getattr(after, name):>9.3f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
     parser.add_argument("--cache", default=str(pathlib.Path(__file__).parent / "out" / "step_time_hlo"))
     parser.add_argument("--check", help="a GPU suite results file: its settings predicted by step_time.H200_FIT")
+    parser.add_argument("--before", help="the fit to set beside this one: a JSON this benchmark wrote (default: "
+                                         f"the newest results/{SAVED_FITS})")
+    parser.add_argument("--held-out", nargs="*", default=None,
+                        help="results files each predicted by a fit without its rows (default: the newest day's)")
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     out, cache = pathlib.Path(args.out), pathlib.Path(args.cache)
@@ -354,98 +512,121 @@ def main() -> None:
     if args.check:
         return check(pathlib.Path(args.check), cache, out)
 
-    settings = measured_settings()
-    for setting in settings:
-        setting.kernels = compile_kernels(setting, cache)
-    profiles = {key: profile_parts(RESULTS / name) for key, name in PROFILES.items()}
-    by_key = {s.key: s for s in settings}
+    before_path = pathlib.Path(args.before) if args.before else newest_saved_fit()
+    before = saved_fit(before_path)
+    settings = with_kernels(measured_settings(), cache)
+    theta, labels = fit(settings)
+    traced = [(s, trace.source) for s in settings for trace in s.profiled]
+    fitted = efficiencies(theta, f"ViT-L/14 train steps on one H200 ({len(settings)} settings, {len(traced)} "
+                                 "traced runs; benchmarks/RESULTS.md section 35)", timed_custom_calls(settings))
+    pallas = sorted({k.callee for s in settings for k in s.kernels if k.kind == "custom_call"})
 
-    theta, labels = fit(settings, profiles)
-    fitted = efficiencies(theta, f"{len(settings)} settings, {len(profiles)} profiles")
+    def pallas_note(name: str) -> str:
+        if name in fitted.custom_calls:
+            return f"{name} (timed: {fitted.custom_calls[name]:.3f} of the bandwidth)"
+        return f"{name} (not timed: at the fitted memory-bound efficiency)"
+
     lines = [f"matmul peaks measured (8192^3 through XLA): bf16 {PEAKS['bf16'] / 1e12:.1f}, TF32 "
              f"{PEAKS['f32'] / 1e12:.1f} TFLOP/s; FP8 taken as {step_time.FP8_OVER_BF16:g} x bf16",
-             "fitted on every row (" + ", ".join(labels) + "):",
-             f"  products at {1 / theta[0]:.3f} x the measured matmul peak",
-             f"  attention {fitted.attention:.3f} of the bf16 peak ({fitted.attention * DATASHEET['attention'] / 1e12:.0f}"
-             " TFLOP/s)",
-             f"  memory    {fitted.memory:.3f} of {DATASHEET['memory'] / 1e12:g} TB/s "
-             f"({fitted.memory * DATASHEET['memory'] / 1e12:.2f} TB/s)",
-             f"  launch    {fitted.launch_us:.2f} us per kernel run",
-             f"  as step_time.Efficiencies: gemm_16bit={fitted.gemm_16bit:.3f}, gemm_tf32={fitted.gemm_tf32:.3f}, "
-             f"attention={fitted.attention:.3f}, memory={fitted.memory:.3f}, launch_us={fitted.launch_us:.2f}"]
+             f"rows: {len(settings)} settings' mean steps and {len(labels) - len(settings)} parts of {len(traced)} "
+             f"traced runs ({', '.join(sorted({source for _, source in traced}))})",
+             f"fitted on every row: products at {1 / theta[0]:.3f} x the measured matmul peak; attention "
+             f"{fitted.attention * DATASHEET['attention'] / 1e12:.0f} TFLOP/s; memory "
+             f"{fitted.memory * DATASHEET['memory'] / 1e12:.2f} TB/s; launch {fitted.launch_us:.2f} us per kernel run",
+             "Pallas kernels in the measured steps: " + (", ".join(map(pallas_note, pallas)) or "none"),
+             f"before: {before_path.name} ({before.fitted_on})", *efficiency_lines(before, fitted)]
 
-    # Leave-one-out: each setting predicted by a fit without it and without its profile.
+    # Leave-one-out: each setting predicted by a fit without it and without its traces.
     rows = []
     for setting in settings:
-        others = [s for s in settings if s is not setting]
-        held_theta, _ = fit(others, {k: v for k, v in profiles.items() if k != setting.key})
-        held = efficiencies(held_theta, "leave-one-out")
-        predicted = setting.batch / predicted_step_s(setting, held).seconds
-        in_sample = setting.batch / predicted_step_s(setting, fitted).seconds
-        measured = statistics.mean(rate for rate, _ in setting.measured)
-        mfu_rate = constant_mfu_rate(setting)
-        rows.append({"setting": setting.label, "key": list(setting.key), "measured": [r for r, _ in setting.measured],
-                     "measured_on": sorted({_day(s) for _, s in setting.measured}),
-                     "superseded": [r for r, _ in setting.superseded],
-                     "measured_mean": measured, "predicted_loo": predicted, "predicted_all": in_sample,
-                     "error_loo": predicted / measured - 1, "constant_mfu": mfu_rate,
-                     "constant_mfu_error": mfu_rate / measured - 1,
-                     "split_s": predicted_step_s(setting, fitted).split})
+        held = efficiencies(fit([s for s in settings if s is not setting])[0], "leave-one-out")
+        measured = measured_rate(setting)
+        row = {"setting": setting.label, "key": list(setting.key), "measured": [r for r, _ in setting.measured],
+               "measured_on": sorted({_day(s) for _, s in setting.measured}),
+               "superseded": [r for r, _ in setting.superseded], "measured_mean": measured,
+               "predicted_before": rate(setting, before), "predicted_all": rate(setting, fitted),
+               "predicted_loo": rate(setting, held), "constant_mfu": constant_mfu_rate(setting),
+               "split_s": predicted_step_s(setting, fitted).split}
+        for name in ("before", "all", "loo"):
+            row[f"error_{name}"] = row[f"predicted_{name}"] / measured - 1
+        row["constant_mfu_error"] = row["constant_mfu"] / measured - 1
+        rows.append(row)
     for setting in settings:
         if setting.superseded:
             lines.append(f"  {setting.label}: {', '.join(f'{r:.1f} ({s})' for r, s in setting.superseded)} left out, "
                          f"measured again on {_day(setting.measured[0][1])}")
-    lines += ["", f"{'setting':<52}{'measured':>18}{'LOO':>8}{'error':>8}{'all':>8}{'const MFU':>11}{'error':>8}"]
+    lines += ["", f"{'setting':<52}{'measured':>18}{'before':>8}{'error':>8}{'after':>8}{'error':>8}{'LOO':>8}"
+                  f"{'error':>8}"]
     for r in rows:
         measured = "/".join(f"{m:.0f}" for m in r["measured"])
-        lines.append(f"{r['setting']:<52}{measured:>18}{r['predicted_loo']:>8.1f}{r['error_loo']:>8.1%}"
-                     f"{r['predicted_all']:>8.1f}{r['constant_mfu']:>11.1f}{r['constant_mfu_error']:>8.1%}")
-    worst = max(rows, key=lambda r: abs(r["error_loo"]))
-    worst_mfu = max(rows, key=lambda r: abs(r["constant_mfu_error"]))
-    lines.append(f"largest leave-one-out error {worst['error_loo']:.1%} ({worst['setting']}); constant MFU's "
-                 f"{worst_mfu['constant_mfu_error']:.1%} ({worst_mfu['setting']})")
+        lines.append(f"{r['setting']:<52}{measured:>18}" + "".join(
+            f"{r[f'predicted_{name}']:>8.1f}{r[f'error_{name}']:>8.1%}" for name in ("before", "all", "loo")))
+    for name in ("before", "all", "loo"):
+        worst = max(rows, key=lambda r: abs(r[f"error_{name}"]))
+        lines.append(f"largest error, {name}: {worst[f'error_{name}']:.1%} ({worst['setting']})")
 
     levers = []
-    lines += ["", f"{'lever (samples/s ratio)':<58}{'measured':>10}{'LOO':>8}{'error':>8}{'const MFU':>11}"]
+    lines += ["", f"{'lever (samples/s ratio)':<58}{'measured':>10}{'before':>8}{'LOO':>8}{'error':>8}"]
     for name, fast, slow in LEVERS:
         a, b = (next(r for r in rows if tuple(r["key"][:4]) == key and len(r["key"]) == 4) for key in (fast, slow))
         measured = a["measured_mean"] / b["measured_mean"]
         predicted = a["predicted_loo"] / b["predicted_loo"]
-        mfu = a["constant_mfu"] / b["constant_mfu"]
-        levers.append({"lever": name, "measured": measured, "predicted_loo": predicted,
-                       "error": predicted / measured - 1, "constant_mfu": mfu})
-        lines.append(f"{name:<58}{measured:>10.3f}{predicted:>8.3f}{predicted / measured - 1:>8.1%}{mfu:>11.3f}")
+        levers.append({"lever": name, "measured": measured, "before": a["predicted_before"] / b["predicted_before"],
+                       "predicted_loo": predicted, "error": predicted / measured - 1})
+        lines.append(f"{name:<58}{measured:>10.3f}{levers[-1]['before']:>8.3f}{predicted:>8.3f}"
+                     f"{predicted / measured - 1:>8.1%}")
+
+    # Each lease file held out in turn: its settings predicted by a fit on every other file's rows.
+    newest_day = max(_day(p.name) for p in lease_files())
+    held_out_paths = ([pathlib.Path(p) for p in args.held_out] if args.held_out is not None
+                      else [p for p in lease_files() if _day(p.name) == newest_day])
+    held_out = [held_out_check(path, cache, before) for path in held_out_paths]
+    for check_result in held_out:
+        lines += ["", f"held out: {check_result['file']}, predicted by a fit on every other file's rows",
+                  f"{'setting':<52}{'measured':>9}{'before':>8}{'error':>8}{'held out':>9}{'error':>8}"
+                  "   traced | before | held out (ms: products, attention, memory-bound)"]
+        for r in check_result["settings"]:
+            parts = ""
+            if "traced_s" in r:
+                parts = "   " + ", ".join(f"{r['traced_s'][p] * 1e3:.0f} | {r['before_s'][p] * 1e3:.0f} | "
+                                          f"{r['held_out_s'][p] * 1e3:.0f}" for p in ("gemm", "attention", "memory"))
+            lines.append(f"{r['setting']:<52}{r['measured']:>9.1f}{r['before']:>8.1f}{r['error_before']:>8.1%}"
+                         f"{r['held_out']:>9.1f}{r['error_held_out']:>8.1%}{parts}")
 
     profile_rows = []
-    for key, parts in profiles.items():
-        predicted = predicted_step_s(by_key[key], fitted)
-        modelled = {"gemm": predicted.split["gemm"], "attention": predicted.split["attention"],
-                    "memory": predicted.split["elementwise"] + predicted.split["optimizer"]}
-        profile_rows.append({"setting": by_key[key].label, "profiled_s": parts, "predicted_s": modelled,
-                             "predicted_launch_s": predicted.split["launch"]})
-        lines.append("")
-        lines.append(f"profile {by_key[key].label}, ms per step (GPU kernels | model fitted on all rows):")
-        for part in ("gemm", "attention", "memory"):
-            lines.append(f"  {part:<10}{parts.get(part, 0) * 1e3:>9.1f}{modelled[part] * 1e3:>9.1f}")
-        lines.append(f"  {'launch':<10}{'-':>9}{predicted.split['launch'] * 1e3:>9.1f}")
+    lines += ["", "traced runs, ms per step: GPU kernels | before | after (products, attention, memory-bound)"]
+    for setting in settings:
+        after_parts = modelled_parts(predicted_step_s(setting, fitted))
+        before_parts = modelled_parts(predicted_step_s(setting, before))
+        for trace in setting.profiled:
+            parts, source = trace.parts, trace.source
+            profile_rows.append({"setting": setting.label, "source": source, "traced_s": parts,
+                                 "before_s": before_parts, "after_s": after_parts})
+            lines.append(f"{setting.label:<52}{source:<32}" + ", ".join(
+                f"{parts.get(p, 0) * 1e3:.0f} | {before_parts[p] * 1e3:.0f} | {after_parts[p] * 1e3:.0f}"
+                for p in ("gemm", "attention", "memory")))
 
     unmeasured = []
     lines += ["", "predicted, not measured (one GPU; the fitted efficiencies over each GPU's datasheet):",
-              f"{'gpu':<11}{'setting':<38}{'samples/s':>10}{'step ms':>9}  split (ms)"]
+              f"{'gpu':<11}{'setting':<38}{'before':>8}{'after':>8}  after's split (ms)"]
     for gpu_name, *key in PREDICT_ONLY:
         setting = Setting(*key)
         setting.kernels = compile_kernels(setting, cache, get_gpu(gpu_name))
-        predicted = step_time.predict(setting.kernels, step_time.KernelRates.of(get_gpu(gpu_name), fitted))
-        unmeasured.append({"gpu": gpu_name, "setting": setting.label, "samples_per_s": setting.batch / predicted.seconds,
-                           "split_s": predicted.split})
-        split = " ".join(f"{part} {seconds * 1e3:.0f}" for part, seconds in predicted.split.items() if seconds)
-        lines.append(f"{gpu_name:<11}{setting.label:<38}{setting.batch / predicted.seconds:>10.1f}"
-                     f"{predicted.seconds * 1e3:>9.1f}  {split}")
+        gpu = get_gpu(gpu_name)
+        was = step_time.predict(setting.kernels, step_time.KernelRates.of(gpu, before))
+        now = step_time.predict(setting.kernels, step_time.KernelRates.of(gpu, fitted))
+        unmeasured.append({"gpu": gpu_name, "setting": setting.label, "before": setting.batch / was.seconds,
+                           "samples_per_s": setting.batch / now.seconds, "split_s": now.split})
+        split = " ".join(f"{part} {seconds * 1e3:.0f}" for part, seconds in now.split.items() if seconds)
+        lines.append(f"{gpu_name:<11}{setting.label:<38}{setting.batch / was.seconds:>8.1f}"
+                     f"{setting.batch / now.seconds:>8.1f}  {split}")
 
     table = "\n".join(lines)
     print(table)
     result = {"gpu": GPU.name, "jax_here": jax.__version__, "efficiencies": dataclasses.asdict(fitted),
-              "settings": rows, "levers": levers, "profiles": profile_rows, "predicted_only": unmeasured}
+              "before": {"file": before_path.name, "efficiencies": dataclasses.asdict(before)}, "rows": labels,
+              "settings": rows, "levers": levers, "held_out": held_out, "profiles": profile_rows,
+              "predicted_only": unmeasured}
     (out / "step_time_model.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "step_time_model.txt").write_text(table + "\n")
 

@@ -1,4 +1,4 @@
-"""Tokenizer throughput on one CPU core: clip_jax.tokenizer.tokenize against open_clip.tokenize.
+"""Tokenizer throughput on one CPU core: clip_jax.text.clip_tokenizer.tokenize against open_clip.tokenize.
 
     python benchmarks/tokenizer.py [--captions 20000] [--repeats 3]
 
@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import open_clip  # noqa: E402
 import torch  # noqa: E402
 
-from clip_jax import tokenizer  # noqa: E402
+from clip_jax.text import clip_tokenizer as tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 

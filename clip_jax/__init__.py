@@ -1,8 +1,8 @@
 """CLIP training in JAX/Flax, compatible with OpenCLIP checkpoints.
 
-The core (models, tokenizer, conversion, loss, train step) imports neither TensorFlow nor clu, so it runs in a
-bare JAX image. Names below load on first use, so that `import clip_jax.tokenizer` (in data workers) stays light;
-so do the subpackages and modules, so that after `import clip_jax` a dotted name such as
+The core (models, tokenizers, conversion, loss, train step) imports neither TensorFlow nor clu, so it runs in a
+bare JAX image. Names below load on first use, so that `import clip_jax.text.clip_tokenizer` (in data workers) stays
+light; so do the subpackages and modules, so that after `import clip_jax` a dotted name such as
 `clip_jax.interop.convert.from_open_clip` works as written.
 
 The one process-wide setting made at import: jaxlib's CUDA plugin's start-up traceback is left out on a machine
@@ -27,7 +27,7 @@ _EXPORTS = {
     "list_models": "clip_jax.models",
     "load_pretrained": "clip_jax.interop.opener",
     "open_model": "clip_jax.interop.opener",
-    "tokenize": "clip_jax.tokenizer",
+    "tokenize": "clip_jax.text.clip_tokenizer",
 }
 __all__ = sorted(_EXPORTS)
 

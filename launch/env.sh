@@ -1,9 +1,17 @@
 # Environment for every rank of a GPU training job; sourced by the sbatch scripts (and usable by hand).
 # Each setting only applies when not already set, so a job can override any of them:  XLA_FLAGS=... sbatch ...
 
-# XLA: overlap collectives with compute, and batch many small all-reduces / all-gathers / reduce-scatters
-# (gradients, FSDP gathers) into few large ones.
-export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true \
+# XLA: the flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_FLAGS, which the planner's compiles take
+# too), always, first: a job's own XLA_FLAGS come after them and win (--FLAG=false switches one off). Then, unless
+# the job sets XLA_FLAGS: overlap collectives with compute, and batch many small all-reduces / all-gathers /
+# reduce-scatters (gradients, FSDP gathers) into few large ones.
+FLAGS_PYTHON="${PYTHON:-$(command -v python || command -v python3 || echo python)}"
+if ! ADOPTED_XLA_FLAGS="$("$FLAGS_PYTHON" -m clip_jax.runtime.xla_gpu)"; then
+  echo "launch/env.sh: $FLAGS_PYTHON cannot run clip_jax.runtime.xla_gpu: run from the clip_jax checkout," \
+       "or set PYTHON to the python clip_jax is installed in" >&2
+  return 1 2>/dev/null || exit 1
+fi
+export XLA_FLAGS="$ADOPTED_XLA_FLAGS ${XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true \
 --xla_gpu_all_reduce_combine_threshold_bytes=134217728 \
 --xla_gpu_all_gather_combine_threshold_bytes=134217728 \
 --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728}"

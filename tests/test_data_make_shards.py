@@ -121,6 +121,85 @@ def test_image_folder_with_captions_file_and_resizing(tmp_path, capsys):
     assert make_shards.main(["folder", "--images", str(tmp_path / "nope"), "--out", str(out2)]) == 1
 
 
+def _bad_files_folder(tmp_path):
+    """Two good captioned images beside one of each bad kind: an empty .jpg, a .jpg that is text, a JPEG cut short
+    (its header whole), and a good image whose .txt caption is Latin-1."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "good1.jpg")
+    Image.new("RGB", (30, 40), (10, 200, 10)).save(folder / "good2.png")
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "text.jpg").write_bytes(b"a caption saved under the wrong name")
+    whole = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)).save(whole, "JPEG")
+    (folder / "cut.jpg").write_bytes(whole.getvalue()[:len(whole.getvalue()) // 2])
+    Image.open(folder / "cut.jpg")  # its header reads: only decoding the whole image finds it cut short
+    Image.new("RGB", (20, 20), 0).save(folder / "latin1.jpg")
+    for name in ("good1", "good2", "empty", "text", "cut"):
+        (folder / f"{name}.txt").write_text(f"a photo called {name}")
+    (folder / "latin1.txt").write_bytes("une photo d'été".encode("latin-1"))
+    return folder
+
+
+def _written_captions(out):
+    samples, _ = _read_tar(out / "00000.tar")
+    for files in samples.values():
+        image = files.get("jpg", files.get("png"))
+        Image.open(io.BytesIO(image)).load()  # every image written decodes whole
+    return sorted(files["txt"].decode() for files in samples.values())
+
+
+def test_bad_files_in_an_image_folder_are_counted_named_and_left_out(tmp_path, capsys):
+    folder, out = _bad_files_folder(tmp_path), tmp_path / "out"
+    assert make_shards.main(["folder", "--images", str(folder), "--out", str(out)]) == 0
+    assert _written_captions(out) == ["a photo called good1", "a photo called good2"]
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "left out 4 bad files of 6 images" in warning, warning
+    for told in ("1 empty (empty.jpg)", "1 not an image (text.jpg)", "1 cut short or damaged (cut.jpg)",
+                 "1 caption not UTF-8 (latin1.txt)"):
+        assert told in warning, warning
+
+
+def test_a_captions_file_line_that_is_not_utf8_is_left_out(tmp_path, capsys):
+    folder, out = _bad_files_folder(tmp_path), tmp_path / "out"
+    (tmp_path / "captions.tsv").write_bytes(b"image\tcaption\ngood1.jpg\tthe first\ngood2.png\tla deuxi\xe8me\n"
+                                            b"cut.jpg\tcut\nlatin1.jpg\tfine here\n")
+    assert make_shards.main(["folder", "--images", str(folder), "--captions", str(tmp_path / "captions.tsv"),
+                             "--out", str(out)]) == 0
+    assert _written_captions(out) == ["fine here", "the first"]
+    warning = capsys.readouterr().err
+    assert "1 caption not UTF-8 (captions.tsv:3)" in warning and "1 cut short or damaged (cut.jpg)" in warning
+    assert "2 of 6 images have no caption" in warning  # empty.jpg and text.jpg: not in the file
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_a_folder_of_bad_files_only_is_one_line_and_leaves_no_folder_it_made(tmp_path, capsys, out_exists):
+    folder = _bad_files_folder(tmp_path)
+    for name in ("good1.jpg", "good2.png", "latin1.jpg"):
+        (folder / name).unlink()
+    out = tmp_path / "new" / "out"
+    if out_exists:
+        out.mkdir(parents=True)
+    assert make_shards.main(["folder", "--images", str(folder), "--out", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"error: no usable image under {folder}: 3 bad files"), error
+    assert "1 empty (empty.jpg)" in error and "cut.jpg" in error and "text.jpg" in error
+    assert sorted(os.listdir(tmp_path)) == (["mine", "new"] if out_exists else ["mine"])  # an --out given stays
+    assert not out_exists or os.listdir(out) == []
+
+
+@pytest.mark.parametrize("per_shard", [2, 1])
+def test_a_writer_stopped_before_its_first_shard_is_complete_leaves_no_folder_it_made(tmp_path, per_shard):
+    def samples():
+        yield make_shards.Sample(b"x", "jpg", "one", "u", 1, 1, 1, 1)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_shards.write_shards(samples(), str(tmp_path / "a" / "b"), samples_per_shard=per_shard)
+    kept = [ownership.MANIFEST, "00000.parquet", "00000.tar", "00000_stats.json"] if per_shard == 1 else None
+    assert (sorted(os.listdir(tmp_path / "a" / "b")) == kept) if kept else os.listdir(tmp_path) == []
+
+
 def test_check_summarises_good_and_bad_shards(tmp_path, capsys):
     out = tmp_path / "fm"
     make_shards.main(["fashion-mnist", "--out", str(out), "--split", "train", "--limit", "60",

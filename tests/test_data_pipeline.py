@@ -11,7 +11,7 @@ import webdataset as wds
 from PIL import Image
 
 from clip_jax import data
-from clip_jax.tokenizer import tokenize
+from clip_jax.text.clip_tokenizer import tokenize
 
 IMAGE_SIZE = 16
 MEAN_STD = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))

@@ -80,6 +80,40 @@ def test_missing_shards_dropped_and_empty_pattern_named(tmp_path):
     assert repr(missing) in str(info.value)
 
 
+def _loose_jpegs(folder, count):
+    from PIL import Image
+
+    folder.mkdir()
+    for i in range(count):
+        Image.new("RGB", (8, 8)).save(folder / f"{i}.jpg")
+        (folder / f"{i}.txt").write_text("a black square")
+
+
+@pytest.mark.parametrize("given", ["{folder}", "{folder}/", "{folder}/{{00000..00003}}.tar", "{folder}/*.tar"])
+def test_an_empty_folder_or_loose_images_given_as_shards_say_what_is_there(tmp_path, given):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(shards.ShardPatternError) as empty:
+        shards.resolve_shards(given.format(folder=tmp_path / "empty"))
+    assert f"{tmp_path / 'empty'} is an empty folder" in str(empty.value) and "make_shards" in str(empty.value)
+    _loose_jpegs(tmp_path / "photos", 3)
+    with pytest.raises(shards.ShardPatternError) as loose:
+        shards.resolve_shards(given.format(folder=tmp_path / "photos"))
+    assert f"{tmp_path / 'photos'} holds 3 image files and no .tar shard" in str(loose.value)
+    assert f"make_shards folder --images {tmp_path / 'photos'} --out" in str(loose.value)
+    assert "none exists" not in str(empty.value) + str(loose.value)
+
+
+def test_loose_images_named_by_a_brace_range_are_refused_by_their_first_bytes(tmp_path):
+    from clip_jax import data
+
+    _loose_jpegs(tmp_path / "photos", 3)
+    cfg = data.TrainDataConfig(shards=f"{tmp_path}/photos/{{0..2}}.jpg")
+    with pytest.raises(ValueError) as refused:
+        data.resolve_train_shards(cfg)
+    assert str(refused.value).startswith(f"shard {tmp_path}/photos/0.jpg is not a tar file (a JPEG image)")
+    assert f"make_shards folder --images {tmp_path}/photos" in str(refused.value)
+
+
 def test_glob_and_fsspec_urls(tmp_path):
     _touch(tmp_path, ["x/1.tar", "x/2.tar", "x/notes.txt"])
     assert shards.resolve_shards(f"{tmp_path}/x/*.tar").urls == (f"{tmp_path}/x/1.tar", f"{tmp_path}/x/2.tar")

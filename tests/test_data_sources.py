@@ -15,7 +15,7 @@ from PIL import Image
 from clip_jax import data
 from clip_jax.data import check, filters, make_shards, parquet_filter, synthetic, webdataset
 from clip_jax.run_config import default_config
-from clip_jax.tokenizer import tokenize
+from clip_jax.text.clip_tokenizer import tokenize
 
 MEAN_STD = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
 

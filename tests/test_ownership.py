@@ -20,7 +20,7 @@ from clip_jax.interop import weight_files
 from clip_jax.interop.export import export_open_clip
 from clip_jax.models import create_model, init_params
 from clip_jax.ops import report
-from clip_jax.runtime import ownership, run_directory
+from clip_jax.runtime import ownership, run_layout
 from clip_jax.training.trainer import Trainer
 
 SHARDS = "{00000..00005}.tar"
@@ -142,7 +142,7 @@ def test_a_run_directory_of_someone_elses_is_refused_and_an_older_clip_jax_run_i
     assert snapshot(logs) == before
     # a run clip_jax wrote before it kept a manifest: its config.json is a clip_jax run config
     (logs / "run" / "config.json").write_text(config.to_json())
-    assert ownership.foreign_names(str(logs / "run"), run_directory.RUN_ENTRIES) == []
+    assert ownership.foreign_names(str(logs / "run"), run_layout.RUN_ENTRIES) == []
 
 
 def test_an_export_writes_beside_other_files_and_replaces_only_its_own(tmp_path, tiny_model_config):

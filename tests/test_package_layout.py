@@ -1,7 +1,8 @@
 """The package's shape, as the README's Layout section states it: subpackages that import one way (each only those
-listed before it, and the few shared top-level modules, which import no subpackage), no module over 400 lines, at
-most 8 top-level modules besides the thin `python -m clip_jax.X` entries, stop signals handled in one module and other
-packages' internals imported in one, and no file left with a merge's conflict markers. Read from the source (its
+listed before it, and the few shared top-level modules, which import no subpackage), the modules of a package
+importing one way too, no module over 400 lines, at most 8 top-level modules besides the thin `python -m
+clip_jax.X` entries, stop signals handled in one module and other packages' internals imported in one, and no
+file left with a merge's conflict markers. Read from the source (its
 `import` statements, wherever they are in a module), not by importing it."""
 
 import ast
@@ -78,6 +79,57 @@ def test_each_subpackage_imports_only_those_the_readme_lists_before_it():
     sentence = re.search(r"Each subpackage imports only those listed before it \(and the top-level ([^)]*)\)",
                          open(os.path.join(REPO, "README.md")).read())
     assert sentence and set(re.findall(r"\w+", sentence[1])) >= {m.split(".")[1] for m in shared}
+
+
+def imported_modules(path: str, known: dict[str, str]) -> set[str]:
+    """The modules of the package (names in `known`) a module's import statements name, wherever they are."""
+    names = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    found = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        found |= {name} if name else set()
+    return found
+
+
+def import_loop(graph: dict[str, set[str]]) -> list[str]:
+    """One loop of `graph` (module -> the modules it imports) as [a, b, ..., a], or [] when there is none."""
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            loop = visit(imported)
+            if loop:
+                return loop
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        loop = visit(module)
+        if loop:
+            return loop
+    return []
+
+
+def test_the_modules_of_each_package_import_one_way():
+    """No loop among the modules of one package (its `__init__` aside), counting imports inside functions: where two
+    modules need each other, a piece sits in the wrong one."""
+    known = {module: path for module, path in modules().items() if not module.endswith(".__init__")}
+    graph = {module: {m for m in imported_modules(path, known) if m.rpartition(".")[0] == module.rpartition(".")[0]}
+             - {module} for module, path in known.items()}
+    assert not import_loop(graph), " -> ".join(import_loop(graph))
+    assert import_loop({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}}) == ["a.x", "a.y", "a.z", "a.x"]
 
 
 def test_no_module_is_over_400_lines():

@@ -33,7 +33,7 @@ def test_the_readme_says_where_python_comes_from_before_its_first_bare_python_co
 
 def test_the_readme_calls_the_names_this_test_expects():
     names = readme_calls()
-    for name in ("clip_jax.tokenizer.tokenize", "clip_jax.interop.convert.from_open_clip",
+    for name in ("clip_jax.text.clip_tokenizer.tokenize", "clip_jax.interop.convert.from_open_clip",
                  "clip_jax.models.init_variables", "clip_jax.create_model"):
         assert name in names
 

@@ -17,7 +17,7 @@ import transformers
 from open_clip import tokenizer as open_clip_tokenizer
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.sentencepiece_tokenizer import (
+from clip_jax.text.sentencepiece_tokenizer import (
     CONTEXT_LENGTH,
     TOKENIZER_FILES,
     SentencePieceTokenizer,

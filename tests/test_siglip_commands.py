@@ -17,8 +17,8 @@ from clip_jax.data import fashion_mnist
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed, zeroshot
 from clip_jax.models import get_model_config
-from clip_jax.models.model_tokenizer import tokenizer_for
-from clip_jax.sentencepiece_tokenizer import train_sentencepiece
+from clip_jax.text.model_tokenizer import tokenizer_for
+from clip_jax.text.sentencepiece_tokenizer import train_sentencepiece
 
 CAPTIONS = ["a red Dress, on a model!", "two ankle boots", "A bag; leather (brown)", "trousers 2024", "a shirt"]
 SIZES = [(37, 53), (64, 48), (101, 40), (31, 90), (50, 20)]  # (height, width): none square

@@ -100,6 +100,50 @@ def test_a_kernel_without_a_cost_rule_is_named_and_costed_as_memory_bound():
     assert step_time.model_operation(unknown.kernel.op_name) == "text/magic"
 
 
+def test_a_pallas_kernel_is_a_custom_call_of_its_own_priced_at_the_memory_bound_rate_until_a_gpu_times_it():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    from clip_jax.plan.planner import predicted_step
+    from clip_jax.plan.report import profile_lines
+
+    layers, rows, width = 3, 64, 128
+
+    def scaled_add(x_ref, y_ref, out_ref):
+        out_ref[...] = x_ref[...] + 2 * y_ref[...]
+
+    def scanned(x, ys):  # the Pallas kernel once per layer, as a model's block would call it
+        call = pl.pallas_call(scaled_add, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              compiler_params=pallas_triton.CompilerParams())
+        return jax.lax.scan(lambda h, y: (call(h, y), None), x, ys)[0]
+
+    text = compile_for_h200(scanned, ((rows, width), jnp.float32), ((layers, rows, width), jnp.float32))
+    (pallas,) = [kernel for kernel in hlo_kernels.kernels(text) if kernel.kind == "custom_call"]
+    assert (pallas.callee, pallas.opcode, pallas.runs) == ("scaled_add", "__gpu$xla.gpu.triton", layers)
+    assert pallas.known and pallas.bytes == 3 * rows * width * 4  # two operands read, one result written, float32
+
+    untimed = step_time.predict([pallas], RATES)
+    assert untimed.split["custom_calls"] == pytest.approx(layers * pallas.bytes / RATES.memory_bytes)
+    assert [timed.kernel for timed in untimed.unmeasured] == [pallas] and not untimed.unknown
+    timed = step_time.predict([pallas], dataclasses.replace(RATES, custom_call_bytes={"scaled_add": 0.5e12}))
+    assert timed.split["custom_calls"] == pytest.approx(layers * pallas.bytes / 0.5e12) and not timed.unmeasured
+
+    # The H200's rates: the fitted memory-bound efficiency until a lease measured the kernel's own.
+    h200 = get_gpu("h200")
+    fitted = step_time.predict([pallas], step_time.KernelRates.of(h200))
+    assert fitted.split["custom_calls"] == pytest.approx(
+        layers * pallas.bytes / (h200.target.memory_bandwidth * step_time.H200_FIT.memory))
+    measured = dataclasses.replace(step_time.H200_FIT, custom_calls={"scaled_add": 0.25})
+    assert step_time.KernelRates.of(h200, measured).custom_call_bytes == {
+        "scaled_add": pytest.approx(0.25 * h200.target.memory_bandwidth)}
+
+    (line,) = [line for line in profile_lines(predicted_step(untimed, h200)) if "no GPU has timed" in line]
+    share = untimed.split["custom_calls"] / untimed.seconds  # the rest is the launches
+    assert line.startswith("  1 Pallas kernels no GPU has timed") and line.endswith(f"scaled_add (pallas_call): "
+                                                                                    f"{share:.1%} of the step")
+    assert not any("no GPU has timed" in line for line in profile_lines(predicted_step(timed, h200)))
+
+
 def test_the_h200_fit_scales_with_a_gpus_datasheet():
     h200, a100 = step_time.KernelRates.of(get_gpu("h200")), step_time.KernelRates.of(get_gpu("a100-40gb"))
     fit = step_time.H200_FIT

@@ -11,8 +11,8 @@ import numpy as np
 import open_clip
 import pytest
 
-from clip_jax import tokenizer
-from clip_jax.tokenizer import CONTEXT_LENGTH, EOT_ID, PAD_ID, SOT_ID, VOCAB_SIZE, tokenize
+from clip_jax.text import clip_tokenizer as tokenizer
+from clip_jax.text.clip_tokenizer import CONTEXT_LENGTH, EOT_ID, PAD_ID, SOT_ID, VOCAB_SIZE, tokenize
 
 _ASCII_WORDS = """a photo of the cat dog on with and in red blue big small new vintage women's it's don't
 we'll they're i'm you've he'd IPHONE Samsung USB-C 4K HD 2019 x 1080p $19.99 50% off sale!!! (2 pack) #1 @home
@@ -189,7 +189,7 @@ def test_bad_input_is_a_clear_error():
 @pytest.mark.subprocess
 def test_imports_neither_torch_nor_tensorflow_nor_clu():
     code = (
-        "import sys, clip_jax.tokenizer as t; t.tokenize('x');"
+        "import sys, clip_jax.text.clip_tokenizer as t; t.tokenize('x');"
         "bad = [m for m in ('torch', 'tensorflow', 'clu') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -378,6 +378,22 @@ def test_a_missing_shard_pattern_is_named(shards, tmp_path):
         train_lib.Trainer(tiny_config((str(tmp_path / "nowhere-{000..003}.tar"), shards[1]), tmp_path))
 
 
+def test_loose_jpegs_named_as_shards_are_refused_before_the_step_is_built(shards, tmp_path, monkeypatch):
+    from PIL import Image
+
+    (tmp_path / "photos").mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(tmp_path / "photos" / f"{i:04d}.jpg")
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("the step was built")
+
+    monkeypatch.setattr(pretraining, "build_step", compiled)
+    config = tiny_config((str(tmp_path / "photos" / "{0000..0002}.jpg"), shards[1]), tmp_path / "logs")
+    with pytest.raises(ValueError, match=r"0000\.jpg is not a tar file \(a JPEG image\)"):
+        train_lib.Trainer(config)
+
+
 @pytest.mark.slow
 def test_a_fresh_run_refuses_a_run_directory_that_has_checkpoints(shards, uninterrupted_logs):
     saved = saved_steps(uninterrupted_logs / "run")

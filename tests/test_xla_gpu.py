@@ -99,7 +99,8 @@ def test_planner_gpu_memory_is_a_direct_deviceless_compile_of_the_same_step(tmp_
     # program text, the same options), so its compile is the direct one and is not run a second time here.
     hand_built = program_text(built.update.lower(state, batch))
     same = [compiled for lowered, options, compiled in compiles if program_text(lowered) == hand_built
-            and options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}]
+            and options == {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True,
+                            "xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}]
     assert len(same) == 1, f"the planner compiled the hand-built step {len(same)} times, not once"
     direct = same[0].memory_analysis()
     assert memory.argument_bytes == direct.argument_size_in_bytes

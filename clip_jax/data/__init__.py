@@ -41,7 +41,9 @@ their counts), ``filter_expression`` and ``filters`` (the filter language, and t
 ``transforms`` (decode, OpenCLIP train/eval transforms), ``train_config`` (the data config and the run's resolved
 shards), ``epochs`` (samples and steps per epoch), ``pipeline`` (the Grain pipeline: decode, batch, the
 iterator), ``fashion_mnist`` (the demo dataset, its class names and prompts), ``write_once`` (a folder of files
-written by one of the processes that ask for it). Tools: ``python -m
+written by one of the processes that ask for it), ``shard_writer`` (shards in img2dataset's format) and
+``image_folder`` (one's own images and captions, bad files left out), ``shard_checks`` (what a shard pattern
+that finds no shard finds instead). Tools: ``python -m
 clip_jax.data.make_shards``, ``python -m clip_jax.data.check``.
 """
 

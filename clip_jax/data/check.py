@@ -125,7 +125,7 @@ def _image_info(data: bytes) -> tuple[int, int, bool] | None:
 def check_shard(url: str, context_length: int = 77, decode: bool = True,
                 fmt: webdataset.SampleFormat = webdataset.DEFAULT_FORMAT) -> Report:
     """Reads one shard completely and reports on it; ``fmt.sample_filter`` drops (and counts) as a run would."""
-    from clip_jax.tokenizer import tokenize
+    from clip_jax.text.clip_tokenizer import tokenize
 
     report = Report(shards=1)
     shard_skips = collections.Counter()

@@ -95,8 +95,8 @@ Tokenizer = Callable[..., np.ndarray]  # (texts, context_length=L) -> int [N, L]
 
 
 def clip_tokenize(texts: list[str], context_length: int = 77) -> np.ndarray:
-    """OpenCLIP's tokenizer (``clip_jax.tokenizer.tokenize``)."""
-    from clip_jax.tokenizer import tokenize
+    """OpenCLIP's tokenizer (``clip_jax.text.clip_tokenizer.tokenize``)."""
+    from clip_jax.text.clip_tokenizer import tokenize
 
     return tokenize(texts, context_length=context_length)
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from clip_jax.data.shard_checks import no_shard_found
 from clip_jax.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def resolve_shards(
     """Expands a shard pattern (braces, ``::`` sources, globs) into a :class:`ShardList`.
 
     Shards that do not exist are dropped with a warning (img2dataset leaves gaps); a source that matches nothing
-    is an error naming that source.
+    is an error naming that source and what its folder holds (``shard_checks.no_shard_found``).
     """
     sources = split_sources(pattern)
     source_weights = parse_weights(weights, len(sources), pattern)
@@ -235,10 +236,7 @@ def resolve_shards(
             expanded.extend(_glob(url) if any(c in url for c in _GLOB_CHARS) else [url])
         found = _existing(expanded) if check_exists else expanded
         if not found:
-            raise ShardPatternError(
-                f"shard pattern {source!r} matches no file ({len(expanded)} names after expansion, none exists); "
-                "check the path, the brace range, and that the fsspec filesystem for the URL scheme is installed"
-            )
+            raise ShardPatternError(no_shard_found(source, expand_braces(source), len(expanded)))
         if len(found) < len(expanded):
             missing = sorted(set(expanded) - set(found))
             missing_count += len(missing)

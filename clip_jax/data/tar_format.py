@@ -62,6 +62,12 @@ def _checksum_ok(header: bytes) -> bool:
     return expected in (unsigned, signed)
 
 
+def is_tar_start(head: bytes) -> bool:
+    """Whether a file's first block `head` begins a tar file: a header with its checksum, or the end-of-archive
+    zeros of an empty one."""
+    return len(head) == BLOCK and (head == bytes(BLOCK) or _checksum_ok(head))
+
+
 def _padded(size: int) -> int:
     return (size + BLOCK - 1) // BLOCK * BLOCK
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from clip_jax.data import csv_source, filters, transforms, webdataset
 from clip_jax.data import shards as shards_lib
+from clip_jax.data.shard_checks import refuse_non_tar
 from clip_jax.errors import InvalidInput
 from clip_jax.runtime.stop_signals import never
 
@@ -114,7 +115,8 @@ Source = shards_lib.ShardList | csv_source.CsvTable | None  # what resolve_train
 def resolve_train_shards(cfg: TrainDataConfig, *, should_stop: Callable[[], bool] = never) -> Source:
     """The shards a run reads, resolved once so that the epoch length and the pipeline see the same list.
 
-    A csv run gets its table (read once), a synthetic run None.
+    A csv run gets its table (read once), a synthetic run None. A shard pattern that finds no shard, or whose first
+    shard is not a tar file, is one line saying what it found (:mod:`clip_jax.data.shard_checks`).
 
     With ``cfg.make_from`` set the shards are written first when missing: once, however many processes of a run ask
     at the same time (see :func:`clip_jax.data.make_shards.write_missing_shards`); ``should_stop()`` true between
@@ -128,4 +130,7 @@ def resolve_train_shards(cfg: TrainDataConfig, *, should_stop: Callable[[], bool
         return csv_source.read_csv(cfg.shards, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
     if cfg.dataset_type == "synthetic":
         return None
-    return shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
+    shard_list = shards_lib.resolve_shards(cfg.shards, cfg.weights, check_exists=cfg.check_shards_exist)
+    if cfg.check_shards_exist:
+        refuse_non_tar(shard_list.urls, shard_list.sources)  # loose images named as shards: one line, not 65 shards
+    return shard_list

@@ -60,7 +60,7 @@ def write_once(folder: str, *, is_complete: Callable[[], bool], write: Callable[
     if is_complete():
         return False
     ownership.refuse_foreign(folder, writing=f"writing {what}", change=change)
-    made = _folders_to_make(folder)
+    made = folders_to_make(folder)
     try:
         return _write_locked(folder, is_complete, write, marker_suffix, what, change)
     except CutShort:  # one process's stop signal (never given to several writers): nothing of it stays
@@ -71,7 +71,7 @@ def write_once(folder: str, *, is_complete: Callable[[], bool], write: Callable[
         raise
 
 
-def _folders_to_make(folder: str) -> list[str]:
+def folders_to_make(folder: str) -> list[str]:
     """``folder`` and those of its parents that do not exist, outermost first."""
     missing = []
     while folder and not os.path.lexists(folder):

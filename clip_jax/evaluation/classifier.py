@@ -17,9 +17,9 @@ from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up
 from clip_jax.models import l2_normalize
-from clip_jax.models.model_tokenizer import check_vocabulary as check_vocabulary_of
-from clip_jax.models.model_tokenizer import tokenizer_for
 from clip_jax.runtime.stop_signals import never
+from clip_jax.text.model_tokenizer import check_vocabulary as check_vocabulary_of
+from clip_jax.text.model_tokenizer import tokenizer_for
 
 LOGIT_SCALE = 100.0
 

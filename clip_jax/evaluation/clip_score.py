@@ -108,7 +108,7 @@ def score(args) -> dict:
     from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
     from clip_jax.evaluation.embed import read_model
     from clip_jax.interop.opener import open_model
-    from clip_jax.models.model_tokenizer import tokenizer_for
+    from clip_jax.text.model_tokenizer import tokenizer_for
     from clip_jax.runtime.mesh import create_mesh
 
     if args.batch_size < 1:

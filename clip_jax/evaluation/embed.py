@@ -129,7 +129,7 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     """Writes this process's parts that are not written yet; returns counts of what it did."""
     import jax
 
-    from clip_jax.models.model_tokenizer import tokenizer_for
+    from clip_jax.text.model_tokenizer import tokenizer_for
     from clip_jax.runtime.mesh import create_mesh
 
     embed_parts.check_format(args.input_format)

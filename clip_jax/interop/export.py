@@ -35,7 +35,7 @@ from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.runtime import ownership, storage
-from clip_jax.runtime.run_directory import CHECKPOINTS
+from clip_jax.runtime.run_layout import CHECKPOINTS
 
 
 def preprocess_cfg(image_size: int, mean, std, resize_mode: str = RESIZE_MODE) -> dict:
@@ -53,8 +53,8 @@ OPEN_CLIP_CLEAN = {"siglip": "canonicalize", "siglip-cased": "whitespace", "none
 def _model_tokenizer(model: CLIPConfig):
     """The SentencePiece tokenizer a SigLIP model reads (None: CLIP's BPE), its files copied into the export: OpenCLIP
     reads an exported folder's tokenizer from the folder itself (`local-dir:`), transformers too."""
-    from clip_jax.models.model_tokenizer import tokenizer_for
-    from clip_jax.sentencepiece_tokenizer import SentencePieceTokenizer
+    from clip_jax.text.model_tokenizer import tokenizer_for
+    from clip_jax.text.sentencepiece_tokenizer import SentencePieceTokenizer
 
     tokenizer = tokenizer_for(model)  # checked: the folder is there and its vocabulary is the model's
     if tokenizer.folder is None:

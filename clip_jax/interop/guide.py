@@ -70,7 +70,7 @@ def run(args) -> dict:
     import optax
 
     from clip_jax.interop.opener import open_model
-    from clip_jax.models.model_tokenizer import tokenizer_for
+    from clip_jax.text.model_tokenizer import tokenizer_for
     from clip_jax.models import create_model
 
     for name, least in (("steps", 1), ("frames", 1), ("cutouts", 0), ("size", 0)):

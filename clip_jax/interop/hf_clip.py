@@ -16,7 +16,7 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import BlockConfig, CLIPConfig, TextConfig, VisionConfig, is_resnet
-from clip_jax.tokenizer import EOT_ID, SOT_ID, VOCAB_SIZE
+from clip_jax.text.clip_tokenizer import EOT_ID, SOT_ID, VOCAB_SIZE
 
 MODEL_TYPE = "clip"  # config.json's `model_type` of a CLIPModel folder
 # transformers' names of the activations clip_jax builds: OpenAI's QuickGELU, torch's exact and tanh GELU.

@@ -204,16 +204,16 @@ def hf_weights_file(folder: str) -> str:
 def read_hf_state_dict(folder: str, config: CLIPConfig) -> dict:
     """The OpenCLIP state_dict of the CLIPModel or SiglipModel in `folder`, whose model is `config`
     (`hf_model_config`)."""
-    from clip_jax.interop.weight_files import read_arrays
+    from clip_jax.interop.array_files import read_arrays
 
     weights = hf_weights_file(folder)
     return _MODULES[hf_model_type(config)].from_hf_state_dict(read_arrays(weights), config, weights)
 
 
 def _tokenizer_files(context_length: int) -> dict[str, str]:
-    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.tokenizer`), cutting text to
+    """File name -> text of CLIPTokenizer's files for clip_jax's BPE (`clip_jax.text.clip_tokenizer`), cutting text to
     `context_length` tokens."""
-    from clip_jax.tokenizer import bpe_vocabulary
+    from clip_jax.text.clip_tokenizer import bpe_vocabulary
 
     tokens, merges = bpe_vocabulary()
     vocab = {{"<start_of_text>": _SOT, "<end_of_text>": _EOT}.get(token, token): i for i, token in enumerate(tokens)}
@@ -291,7 +291,7 @@ def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, s
     needs its tokenizer's files (`saved_tokenizer(tokenizer)`: name -> bytes). `resize_mode`: the eval transform the
     model is used with: "squash" writes SiglipImageProcessor's settings, "shortest" CLIPImageProcessor's (shortest
     side, center crop; a SiglipProcessor takes either)."""
-    from clip_jax.interop.weight_files import write_safetensors
+    from clip_jax.interop.array_files import write_safetensors
 
     siglip = hf_model_type(config) == hf_siglip.MODEL_TYPE
     if siglip:

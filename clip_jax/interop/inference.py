@@ -92,10 +92,10 @@ def create_model_and_transforms(name_or_config, pretrained: str | None = None, *
 
 
 def get_tokenizer(name_or_config) -> Callable:
-    """`tokenizer(texts) -> int32 [N, context_length]` for the model: its own (`clip_jax.models.model_tokenizer`:
+    """`tokenizer(texts) -> int32 [N, context_length]` for the model: its own (`clip_jax.text.model_tokenizer`:
     OpenAI's BPE, or a SigLIP model's SentencePiece files), at the model's context length."""
     from clip_jax.interop.opener import open_model
-    from clip_jax.models.model_tokenizer import tokenizer_for
+    from clip_jax.text.model_tokenizer import tokenizer_for
     from clip_jax.models import get_model_config
 
     if isinstance(name_or_config, str) and name_or_config.startswith(LOCAL_DIR):

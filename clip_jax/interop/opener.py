@@ -26,13 +26,14 @@ import re
 
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
+from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten
 from clip_jax.interop.pretrained import clip_jax_variables, open_clip_variables
 from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import storage
-from clip_jax.runtime.run_directory import CHECKPOINTS
-from clip_jax.runtime.run_directory import CONFIG as RUN_CONFIG
+from clip_jax.runtime.run_layout import CHECKPOINTS
+from clip_jax.runtime.run_layout import CONFIG as RUN_CONFIG
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 _STEP = re.compile(r"\d+")
 
@@ -102,7 +103,7 @@ def run_model(run_config) -> CLIPConfig:
         model = get_model_config(run_config.model)
     except MissingInput as e:
         raise MissingInput(f"{e}: the run's model config is gone; give the model with --model") from None
-    from clip_jax.models.model_tokenizer import with_run_tokenizer
+    from clip_jax.text.model_tokenizer import with_run_tokenizer
 
     return as_trained(with_run_tokenizer(model, run_config), image_size=run_config.force_image_size,
                       siglip_head=run_config.loss == "siglip",
@@ -251,15 +252,11 @@ class WeightsFile(ModelSource):
     @functools.cached_property
     def arrays(self) -> dict:
         """Name -> array, as the file holds them."""
-        from clip_jax.interop.weight_files import read_arrays
-
         return read_arrays(self.path)
 
     def holds_clip_jax(self) -> bool:
         """Whether the file holds clip_jax's params (or variables), not an OpenCLIP state_dict."""
-        from clip_jax.interop.weight_files import _is_clip_jax
-
-        return _is_clip_jax(self.arrays)
+        return holds_clip_jax(self.arrays)
 
     def variables(self, config: CLIPConfig) -> dict:
         return _file_variables(self.path, config, self)
@@ -267,12 +264,10 @@ class WeightsFile(ModelSource):
 
 def _file_variables(path: str, config: CLIPConfig, file: WeightsFile | None = None) -> dict:
     """Host variables of `config` from a weights file, OpenCLIP's or clip_jax's."""
-    from clip_jax.interop.weight_files import _unflatten
-
     file = file or WeightsFile(path)
     if not file.holds_clip_jax():
         return open_clip_variables(file.arrays, config, path)
-    tree = _unflatten(file.arrays)  # checked once fitted (another image size, a logit_bias to add)
+    tree = unflatten(file.arrays)  # checked once fitted (another image size, a logit_bias to add)
     return clip_jax_variables(tree if "params" in tree else {"params": tree}, config, path)
 
 
@@ -357,9 +352,9 @@ class OpenedModel:
 
     @property
     def tokenizer(self):
-        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.models.model_tokenizer`),
+        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.text.model_tokenizer`),
         checked."""
-        from clip_jax.models.model_tokenizer import tokenizer_for
+        from clip_jax.text.model_tokenizer import tokenizer_for
 
         return tokenizer_for(self.config)
 
@@ -368,7 +363,7 @@ def open_model(path, model=None, *, what: str = "") -> OpenedModel:
     """The model `path` holds (see the module docstring). `model` (a name, OpenCLIP model config or `CLIPConfig`)
     is the model to read the weights as, fitted to it; None: the one the path holds, which a weights file does not
     say. `what` names the path in an error (a flag: "--pretrained")."""
-    from clip_jax.models.model_tokenizer import with_folder_tokenizer
+    from clip_jax.text.model_tokenizer import with_folder_tokenizer
 
     source = model_source(path, what)
     source.check()

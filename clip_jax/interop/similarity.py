@@ -35,7 +35,7 @@ from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import ownership
-from clip_jax.models.model_tokenizer import tokenizer_for
+from clip_jax.text.model_tokenizer import tokenizer_for
 
 DEFAULT_MODEL = "ViT-B-32"  # without --checkpoint or --model
 

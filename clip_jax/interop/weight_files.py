@@ -1,7 +1,8 @@
 """OpenCLIP <-> clip_jax weight files: reading, writing and converting them.
 
-`read_arrays` / `write_open_clip` read and write an OpenCLIP state_dict, `save_params` / `load_params` /
-`load_variables` clip_jax's `.npz` (loading converts an OpenCLIP checkpoint on the fly). The command line
+`read_arrays` (`clip_jax.interop.array_files`) / `write_open_clip` read and write an OpenCLIP state_dict,
+`save_params` / `load_params` / `load_variables` clip_jax's `.npz` (loading converts an OpenCLIP checkpoint on the
+fly). The command line
 
     python -m clip_jax.convert SRC DST --model ViT-L-14
 
@@ -11,16 +12,14 @@ or `.pt` through torch). A file is replaced only when clip_jax wrote it (`clip_j
 """
 
 import argparse
-import json
-import os
 import sys
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from clip_jax import entry
-from clip_jax.errors import InvalidInput, MissingInput, require_extra
+from clip_jax.errors import InvalidInput, require_extra
+from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten, write_safetensors
 from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
                                       variables_to_open_clip)
 from clip_jax.interop.opener import WeightsFile, model_source
@@ -44,8 +43,8 @@ def load_params(path: str, name_or_config=None) -> dict:
     if name_or_config is not None:
         _refuse_resnet(get_model_config(name_or_config), "load_params", "load_variables")
     arrays = read_arrays(path)
-    if _is_clip_jax(arrays):
-        params = _unflatten(arrays)
+    if holds_clip_jax(arrays):
+        params = unflatten(arrays)
         if name_or_config is not None:
             to_open_clip(params, name_or_config)  # validates the tree against the model, naming any bad key
         return params
@@ -59,64 +58,12 @@ def load_variables(path: str, name_or_config) -> dict:
     `save_params` (a variables tree, or a ViT model's params), or converted from an OpenCLIP checkpoint."""
     config = get_model_config(name_or_config)
     arrays = read_arrays(path)
-    if not _is_clip_jax(arrays):
+    if not holds_clip_jax(arrays):
         return variables_from_open_clip(arrays, config)
-    tree = _unflatten(arrays)
+    tree = unflatten(arrays)
     variables = tree if "params" in tree else {"params": tree}
     variables_to_open_clip(variables, config)  # validates the tree against the model, naming any bad key
     return variables
-
-
-def _unflatten(arrays: Mapping[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in arrays.items():
-        *parents, leaf = key.split("/")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
-def _is_clip_jax(arrays: Mapping[str, Any]) -> bool:
-    return any("/" in k for k in arrays)
-
-
-def _torch_state_dict(path: str) -> dict[str, np.ndarray]:
-    require_extra("torch", None, f"reading {path}", alternative="give the weights as .safetensors")
-    import torch
-
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except RuntimeError:  # OpenAI's original checkpoints are TorchScript archives
-        obj = torch.jit.load(path, map_location="cpu").state_dict()
-    if isinstance(obj, Mapping) and "state_dict" in obj:  # an OpenCLIP training checkpoint
-        obj = obj["state_dict"]
-    if not isinstance(obj, Mapping):
-        raise InvalidInput(f"{path} does not hold a state_dict (found {type(obj).__name__})")
-    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in obj.items()
-            if isinstance(v, torch.Tensor)}
-
-
-def read_arrays(path: str) -> dict[str, np.ndarray]:
-    """Name -> array from a `.pt`/`.pth`/`.bin` (torch), `.safetensors` or `.npz` file."""
-    if not os.path.exists(path):
-        raise MissingInput(f"checkpoint {path} does not exist")
-    if path.endswith((".pt", ".pth", ".bin")):
-        return _torch_state_dict(path)
-    if path.endswith(".safetensors"):
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
-        try:
-            return load_file(path)
-        except SafetensorError as e:
-            raise InvalidInput(f"{path} is not a readable safetensors file ({e}): it is damaged or cut short; "
-                               "download or export it again") from None
-    if path.endswith(".npz"):
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
-    raise InvalidInput(f"unknown checkpoint format {path}: expected .pt, .pth, .bin, .safetensors or .npz")
 
 
 def _claim(path: str) -> None:
@@ -138,33 +85,6 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
         import torch
 
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
-
-
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "bfloat16": "BF16", "int64": "I64",
-                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def write_safetensors(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
-    """`arrays` as a `.safetensors` file, each array's bytes written straight from its buffer (no copy of the
-    whole state_dict in memory, as `safetensors.numpy.save_file` makes). The caller claims `path`."""
-    arrays = {name: np.asarray(value) for name, value in arrays.items()}
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, value in arrays.items():
-        if value.dtype.name not in _SAFETENSORS_DTYPES:
-            raise InvalidInput(f"{name}: dtype {value.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[value.dtype.name], "shape": list(value.shape),
-                        "data_offsets": [offset, offset + value.nbytes]}
-        offset += value.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for value in arrays.values():
-            if value.dtype.byteorder == ">":
-                value = value.astype(value.dtype.newbyteorder("<"))
-            f.write(memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
 
 
 @entry.command(stopped="before the weights were written")

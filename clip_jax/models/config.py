@@ -211,9 +211,9 @@ class TextConfig:
     proj_type: str = "linear"  # "none": no text projection, the features are the pooled width-wide vector
     proj_bias: bool = False  # the projection as a Linear with a bias (`text_projection.weight`, `.bias`)
     # The tokenizer, as OpenCLIP's `hf_tokenizer_name` and `tokenizer_kwargs.clean` name it: None is CLIP's BPE
-    # (`clip_jax.tokenizer`); else a folder holding a SentencePiece tokenizer's files (SigLIP's, SigLIP 2's Gemma),
-    # or the Hub name OpenCLIP's named models give, which clip_jax does not download
-    # (`clip_jax.models.model_tokenizer`).
+    # (`clip_jax.text.clip_tokenizer`); else a folder holding a SentencePiece tokenizer's files (SigLIP's, SigLIP 2's
+    # Gemma), or the Hub name OpenCLIP's named models give, which clip_jax does not download
+    # (`clip_jax.text.model_tokenizer`).
     # `tokenizer_clean`: the text cleaning before it ("canonicalize", "lower", "whitespace", "none"; None: the
     # folder's own tokenizer config's). Neither changes a parameter.
     tokenizer: str | None = None

@@ -93,8 +93,26 @@ def _lean_gelu_forward(x, quick, approximate):
 
 
 def _lean_gelu_backward(quick, approximate, x, cotangent):
-    _, pullback = jax.vjp(lambda x32: _gelu(x32, quick, approximate), x.astype(jnp.float32))
-    return (pullback(cotangent.astype(jnp.float32))[0].astype(x.dtype),)
+    return (_gelu_input_gradient(x.astype(jnp.float32), cotangent.astype(jnp.float32), quick, approximate)
+            .astype(x.dtype),)
+
+
+def _gelu_input_gradient(x, cotangent, quick: bool, approximate: str):
+    """The float32 cotangent times GELU'(x), written out: XLA fuses it into one pass with the rounding to 16 bits
+    (autodiff's pullback of `jax.nn.gelu` made it write the float32 [batch, tokens, mlp_width] gradient and read it
+    back for the bias's sum: benchmarks/RESULTS.md section 34)."""
+    return cotangent * _gelu_derivative(x, quick, approximate)
+
+
+def _gelu_derivative(x, quick: bool, approximate: str):
+    if quick:  # d/dx x s(a x) = s + a x s (1 - s)
+        s = jax.nn.sigmoid(1.702 * x)
+        return s + 1.702 * x * s * (1.0 - s)
+    if approximate == "tanh":  # d/dx x (1 + tanh u) / 2, u = sqrt(2 / pi) (x + 0.044715 x^3)
+        t = jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * math.sqrt(2.0 / math.pi) * (1.0 + 3 * 0.044715 * x * x)
+    # d/dx x Phi(x) = Phi(x) + x phi(x)
+    return 0.5 * (1.0 + jax.lax.erf(x * math.sqrt(0.5))) + x * jnp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
 
 
 _lean_gelu.defvjp(_lean_gelu_forward, _lean_gelu_backward)

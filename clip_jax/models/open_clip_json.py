@@ -213,7 +213,7 @@ def _tokenizer_from_open_clip(t: Mapping[str, Any], where: str) -> dict:
     """TextConfig's tokenizer fields: the folder or Hub name and its cleaning (OpenCLIP's default "whitespace")."""
     if not t.get("hf_tokenizer_name"):
         return {}
-    from clip_jax.sentencepiece_tokenizer import CLEAN_MODES
+    from clip_jax.text.sentencepiece_tokenizer import CLEAN_MODES
 
     clean = (t.get("tokenizer_kwargs") or {}).get("clean", "whitespace")
     if clean not in CLEAN_MODES:

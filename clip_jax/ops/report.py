@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from clip_jax import entry
 from clip_jax.errors import InvalidInput, MissingInput, require_extra
-from clip_jax.runtime import ownership, run_directory, storage
+from clip_jax.runtime import ownership, run_layout, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
 PANELS = (
@@ -36,7 +36,7 @@ PANELS = (
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every numeric metric of `RUN_DIR/metrics.jsonl` as (step, value) pairs in file order; a step logged again
     after a resume replaces the earlier value."""
-    path = storage.join(run_dir, run_directory.METRICS)
+    path = storage.join(run_dir, run_layout.METRICS)
     if not storage.isfile(path):
         raise MissingInput(f"{path} does not exist: give a run directory the trainer wrote (LOGS/NAME)")
     series: dict[str, dict[int, float]] = {}
@@ -61,7 +61,7 @@ def schedule_per_step(run_dir: str, series: dict) -> list[tuple[int, float]] | N
     """(step, learning rate of that step's update) for steps 1 .. the last logged: the warm-up and cosine of
     `clip_jax.optim.adamw.warmup_cosine_schedule` over the run's `lr`, `warmup` and `epochs` (config.json) and its
     steps per epoch (a record's step / epoch). None where the run directory lacks either."""
-    path = storage.join(run_dir, run_directory.CONFIG)
+    path = storage.join(run_dir, run_layout.CONFIG)
     logged = [(step, epoch) for step, epoch in series.get("epoch", ()) if epoch > 0]
     if not logged or not storage.isfile(path):
         return None
@@ -167,7 +167,7 @@ def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     if storage.is_remote(run_dir):
         storage.check_location(run_dir, write=False)
     series = read_metrics(run_dir)
-    output = output or storage.join(run_dir, run_directory.REPORT)
+    output = output or storage.join(run_dir, run_layout.REPORT)
     storage.check_output_file(output, what="the report", change="give --output a path you can write to")
     drawn = write_png(series, output, storage.basename(run_dir), schedule_per_step(run_dir, series))
     return output, format_summary(summary_rows(series, drawn))

@@ -15,7 +15,7 @@ from clip_jax.errors import RunFailed
 from clip_jax.ops.device_telemetry import Telemetry, progress_parts
 from clip_jax.ops.replay import Replays, read_records
 from clip_jax.ops.writers import TensorBoardWriter, progress_line
-from clip_jax.runtime import run_directory, storage, storage_faults
+from clip_jax.runtime import run_layout, storage, storage_faults
 from clip_jax.runtime.checkpoints import latest_complete_step
 
 log = logging.getLogger(__name__)
@@ -33,10 +33,10 @@ class RunOutputs:
         if not is_main:
             return
         try:
-            self.staged = storage.StagedOutputs(run_dir, run_directory.CARRIED)
-            self.replays = Replays(read_records(self.staged.path(run_directory.METRICS)), resumed_at)
+            self.staged = storage.StagedOutputs(run_dir, run_layout.CARRIED)
+            self.replays = Replays(read_records(self.staged.path(run_layout.METRICS)), resumed_at)
             if "tensorboard" in targets:
-                self.tensorboard = TensorBoardWriter(self.staged.path(run_directory.TENSORBOARD))
+                self.tensorboard = TensorBoardWriter(self.staged.path(run_layout.TENSORBOARD))
             if "wandb" in targets:
                 from clip_jax.ops.wandb_writer import WandbWriter
 
@@ -125,11 +125,11 @@ class RunOutputs:
             if writer is not None:
                 writer.write_scalars(step, scalars)
         try:
-            with open(self.staged.path(run_directory.METRICS), "a") as f:
+            with open(self.staged.path(run_layout.METRICS), "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:
             if not storage_faults.is_out_of_space(e):
                 raise
             raise storage_faults.storage_full(
-                self.staged.path(run_directory.METRICS), f"writing the record of step {step}", e,
-                latest_complete_step(storage.join(self.run_dir, run_directory.CHECKPOINTS))) from None
+                self.staged.path(run_layout.METRICS), f"writing the record of step {step}", e,
+                latest_complete_step(storage.join(self.run_dir, run_layout.CHECKPOINTS))) from None

@@ -18,7 +18,7 @@ import os
 import uuid
 
 from clip_jax.errors import InvalidInput, MissingExtra, require_extra
-from clip_jax.runtime.run_directory import WANDB_RUN_ID as RUN_ID_FILE
+from clip_jax.runtime.run_layout import WANDB_RUN_ID as RUN_ID_FILE
 
 # W&B's own rule for project names (its settings refuse these at wandb.init, after the run has started).
 PROJECT_FORBIDDEN = "/\\#?%:"

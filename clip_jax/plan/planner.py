@@ -196,7 +196,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
                                  workers_per_process=config.workers),
         run=run,
         gpu_table=table,
-        predicted_step=_predicted_step(predicted, gpu) if predicted is not None else None,
+        predicted_step=predicted_step(predicted, gpu) if predicted is not None else None,
         notes=tuple(notes),
     )
 
@@ -227,10 +227,14 @@ def _plan_without_cudnn(setup: StepSpec, error: Exception, gpu, first_compiles):
 PROFILE_LENGTH = 15  # kernels in the deviceless profile
 
 
-def _predicted_step(predicted: step_time.StepTime, gpu) -> PredictedStep:
+def predicted_step(predicted: step_time.StepTime, gpu) -> PredictedStep:
+    """The plan's record of a predicted step: its slowest kernels, those without a cost rule, the untimed ones."""
     def row(timed: step_time.KernelTime) -> KernelRow:
         k = timed.kernel
-        return KernelRow(kernel=k.name, part=timed.part, operation=step_time.model_operation(k.op_name) or k.opcode,
+        operation = step_time.model_operation(k.op_name) or k.opcode
+        if k.callee:
+            operation = f"{k.callee} ({operation})"
+        return KernelRow(kernel=k.name, part=timed.part, operation=operation,
                          runs=k.runs, seconds=timed.seconds, share=timed.seconds / predicted.seconds,
                          bound=timed.bound)
 
@@ -240,4 +244,5 @@ def _predicted_step(predicted: step_time.StepTime, gpu) -> PredictedStep:
         calibration += f", applied to the {gpu.name}'s datasheet peaks and memory bandwidth: not measured on one"
     return PredictedStep(seconds=predicted.seconds, calibration=calibration,
                          slowest=tuple(row(k) for k in predicted.slowest(PROFILE_LENGTH)),
-                         unknown=tuple(row(k) for k in predicted.unknown))
+                         unknown=tuple(row(k) for k in predicted.unknown),
+                         unmeasured=tuple(row(k) for k in predicted.unmeasured))

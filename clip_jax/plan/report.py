@@ -4,7 +4,7 @@
 import dataclasses
 import json
 
-from clip_jax.plan.result import Plan
+from clip_jax.plan.result import Plan, PredictedStep
 
 
 def size(n: float) -> str:
@@ -104,7 +104,7 @@ def format_plan(p: Plan) -> str:
                      + f"{'+' + _gflop(f.remat_extra_analytic):>9}  {remat_xla:>11}"
                      "   analytic: every block again (upper bound)")
     lines += ["", *_memory_lines(p), *_step_program_lines(p)]
-    lines += ["", *_throughput_lines(p), *_profile_lines(p)]
+    lines += ["", *_throughput_lines(p), *profile_lines(p.predicted_step)]
     d = p.data_loading
     lines += [
         "",
@@ -144,7 +144,8 @@ def _throughput_lines(p: Plan) -> list[str]:
              f"  {predicted:.1f} samples/s per GPU, {predicted * p.gpus:,.0f} samples/s on {p.gpus}: "
              f"a step of {step.seconds * 1e3:.1f} ms at {s.batch_size} per GPU",
              "  step split: " + ", ".join(f"{part} {seconds * 1e3:.1f} ms ({seconds / step.seconds:.0%})"
-                                          for part, seconds in t.predicted_step_split.items()),
+                                          for part, seconds in t.predicted_step_split.items()
+                                          if seconds or part != "custom_calls"),
              f"  {step.calibration}",
              f"  the MFU rule instead: {rule}: {t.mfu_rule_samples_per_s_per_gpu:.1f} samples/s per GPU"]
     if t.mfu_source == "given (--mfu)":
@@ -165,8 +166,8 @@ def which_to_trust(predicted: float, rule: float, rule_mfu: float) -> str:
             f"{'too fast' if ratio > 1 else 'too slow'} here")
 
 
-def _profile_lines(p: Plan) -> list[str]:
-    step = p.predicted_step
+def profile_lines(step: PredictedStep | None) -> list[str]:
+    """The deviceless profile: the slowest kernels, then those the prediction could not cost as it costs the rest."""
     if step is None:
         return []
     lines = ["", f"deviceless profile: the {len(step.slowest)} kernels with the most predicted time, per step",
@@ -180,4 +181,9 @@ def _profile_lines(p: Plan) -> list[str]:
         more = f" and {len(step.unknown) - 5} more" if len(step.unknown) > 5 else ""
         lines.append(f"  {len(step.unknown)} kernels without a cost rule, costed as memory-bound: {names}{more}: "
                      f"{share:.1%} of the step")
+    if step.unmeasured:
+        share = sum(row.share for row in step.unmeasured)
+        names = ", ".join(sorted({row.operation for row in step.unmeasured}))
+        lines.append(f"  {len(step.unmeasured)} Pallas kernels no GPU has timed, priced at the fitted memory-bound "
+                     f"efficiency (their operand and result bytes): {names}: {share:.1%} of the step")
     return lines

@@ -92,6 +92,7 @@ class PredictedStep:
     calibration: str  # where the efficiencies come from, and whether this GPU was measured
     slowest: tuple[KernelRow, ...]  # the kernels with the most predicted time
     unknown: tuple[KernelRow, ...]  # kernels without a cost rule, costed as memory-bound elementwise work
+    unmeasured: tuple[KernelRow, ...] = ()  # Pallas kernels no lease has timed, at the fitted memory-bound efficiency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,8 @@ class Plan:
         predicted = d.get("predicted_step")
         if predicted is not None:
             rows = lambda key: tuple(KernelRow(**row) for row in predicted[key])
-            predicted = PredictedStep(predicted["seconds"], predicted["calibration"], rows("slowest"), rows("unknown"))
+            predicted = PredictedStep(predicted["seconds"], predicted["calibration"], rows("slowest"), rows("unknown"),
+                                      rows("unmeasured") if "unmeasured" in predicted else ())
         return cls(d["config"], d["model"], d["gpu"], d["gpus"], Setup(**d["setup"]),
                    ParameterCounts(**d["parameters"]), FlopsPerSample(**d["flops_per_sample"]),
                    MemoryPerDevice(**d["memory_per_device"]), Throughput(**d["throughput"]), program,

@@ -2,8 +2,10 @@
 
 Each kernel of the XLA:GPU program (`clip_jax.runtime.hlo_kernels`) is a roofline: the larger of its FLOPs over the
 rate of its kind (matrix products by operand type, cuDNN's fused attention) and its bytes over the memory
-bandwidth; every kernel run adds a launch cost, and a collective its bytes over the link it crosses. The rates are
-a GPU's datasheet figures times efficiencies fitted on measured steps (`H200_FIT`: one H200, the fit and its rows in
+bandwidth; every kernel run adds a launch cost, and a collective its bytes over the link it crosses. A kernel of the
+program's own (a Pallas custom call) moves its operand and result bytes at the rate a lease measured for it or, until
+one has, at the fitted memory-bound efficiency: then it is reported as unmeasured. The rates are a GPU's datasheet
+figures times efficiencies fitted on measured steps (`H200_FIT`: one H200, the fit and its rows in
 benchmarks/step_time_model.py and benchmarks/RESULTS.md section 29). For another GPU the same efficiencies scale its
 own datasheet: a prediction, not a measurement of that GPU.
 
@@ -18,7 +20,7 @@ from clip_jax.runtime.hardware import GPU
 from clip_jax.runtime.hlo_kernels import Kernel
 
 # The parts of the step, as the planner reports them.
-CLASSES = ("gemm", "attention", "elementwise", "optimizer", "collectives", "launch")
+CLASSES = ("gemm", "attention", "elementwise", "optimizer", "custom_calls", "collectives", "launch")
 FP8_OVER_BF16 = 2.0  # the dense FP8 tensor-core peak over the BF16 one (Hopper's and Ada's datasheets)
 # Between nodes: one InfiniBand HDR port (200 Gb/s) per GPU, the reference run's cluster (JUWELS Booster). Assumed:
 # nothing here measured a link.
@@ -38,6 +40,9 @@ class Efficiencies:
     memory: float  # memory-bound kernels, of the memory bandwidth
     launch_us: float  # per kernel run
     fitted_on: str
+    # Pallas kernels a lease timed: {kernel name: its bytes per second, of the memory bandwidth}. Those not here are
+    # priced at `memory` and reported as unmeasured.
+    custom_calls: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 # benchmarks/step_time_model.py on the ViT-L/14 steps measured on one H200 (2026-11-30 and 2026-12-04).
@@ -57,6 +62,7 @@ class KernelRates:
     launch_s: float
     link_bytes: float  # within a node
     inter_node_bytes: float
+    custom_call_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, by kernel name
 
     @classmethod
     def of(cls, gpu: GPU, efficiencies: Efficiencies = H200_FIT) -> "KernelRates":
@@ -68,7 +74,9 @@ class KernelRates:
                    attention_flops=gpu.bf16_tflops * 1e12 * efficiencies.attention,
                    memory_bytes=gpu.target.memory_bandwidth * efficiencies.memory,
                    launch_s=efficiencies.launch_us * 1e-6, link_bytes=gpu.link_bytes_per_s,
-                   inter_node_bytes=INTER_NODE_BYTES_PER_S)
+                   inter_node_bytes=INTER_NODE_BYTES_PER_S,
+                   custom_call_bytes={name: gpu.target.memory_bandwidth * share
+                                      for name, share in efficiencies.custom_calls.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +85,7 @@ class KernelTime:
     part: str  # one of CLASSES (not "launch")
     seconds: float  # per step, every run counted, launches not
     bound: str  # "compute", "memory" or "link"
+    measured: bool = True  # False: a custom call no lease has timed, priced at the fitted memory-bound efficiency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,11 @@ class StepTime:
         """Kernels the reader has no rule for, costed as memory-bound elementwise work."""
         return tuple(k for k in self.kernels if not k.kernel.known)
 
+    @property
+    def unmeasured(self) -> tuple[KernelTime, ...]:
+        """Custom calls (Pallas kernels) no lease has timed, priced at the fitted memory-bound efficiency."""
+        return tuple(k for k in self.kernels if not k.measured)
+
     def slowest(self, n: int = 15) -> list[KernelTime]:
         return sorted(self.kernels, key=lambda k: -k.seconds)[:n]
 
@@ -104,6 +118,8 @@ def part_of(kernel: Kernel, training: bool = True) -> str:
         return "collectives"
     if kernel.kind in ("gemm", "attention"):
         return kernel.kind
+    if kernel.kind == "custom_call":
+        return "custom_calls"
     return "optimizer" if training and kernel.op_name and "jvp(" not in kernel.op_name else "elementwise"
 
 
@@ -113,6 +129,8 @@ def kernel_seconds(kernel: Kernel, rates: KernelRates, nodes: int = 1) -> tuple[
     if kernel.kind == "collective":
         link = rates.inter_node_bytes if nodes > 1 else rates.link_bytes
         return kernel.bytes * WIRE_FACTOR.get(kernel.opcode, 1.0) / link, "link"
+    if kernel.kind == "custom_call":
+        return kernel.bytes / rates.custom_call_bytes.get(kernel.callee, rates.memory_bytes), "memory"
     if kernel.kind == "gemm":
         compute = kernel.flops / rates.gemm_flops.get(kernel.dtype, rates.gemm_flops["f32"])
     elif kernel.kind == "attention":
@@ -129,7 +147,8 @@ def predict(kernels: list[Kernel], rates: KernelRates, nodes: int = 1) -> StepTi
     for kernel in kernels:
         seconds, bound = kernel_seconds(kernel, rates, nodes)
         part = part_of(kernel, training)
-        timed.append(KernelTime(kernel, part, seconds * kernel.runs, bound))
+        measured = kernel.kind != "custom_call" or kernel.callee in rates.custom_call_bytes
+        timed.append(KernelTime(kernel, part, seconds * kernel.runs, bound, measured))
         split[part] += seconds * kernel.runs
         split["launch"] += rates.launch_s * kernel.runs
     return StepTime(sum(split.values()), split, tuple(timed))

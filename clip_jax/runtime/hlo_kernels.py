@@ -6,12 +6,14 @@ condition, a conditional's branches, a called computation) launches one, except 
 tuples, bitcasts, the loops themselves). `kernels(text)` lists them, each with
 
 - its class: `gemm` (cuBLAS and Triton matrix products, cuDNN convolutions), `attention` (cuDNN's fused attention),
-  `collective`, or `elementwise` (every fusion, copy and slice: the memory-bound rest), and its `dtype` (the
+  `collective`, `custom_call` (a kernel of the program's own, written in Pallas: its Triton or Mosaic GPU call,
+  `callee` its name) or `elementwise` (every fusion, copy and slice: the memory-bound rest), and its `dtype` (the
   products' operand type: bf16, f32, f8);
 - FLOPs: a product's 2 x M x N x K from its shapes and contracting dimensions; fused attention's two (forward) or
   five (backward) [S_q, S_k] x D products per head; elementwise kernels count one FLOP per element written;
 - bytes: what it reads and writes. A fusion that slices one layer out of a stacked `[layers, ...]` operand reads the
-  slice, not the stack, and one that updates a slice in place writes the slice: per loop trip, as the GPU does;
+  slice, not the stack, and one that updates a slice in place writes the slice: per loop trip, as the GPU does; a
+  Pallas kernel, whose body the text does not show, its operands and results whole;
 - `runs`: how many times it runs per step (the trip counts of the loops it is in, multiplied);
 - `op_name`: the model operation it comes from (the HLO's metadata), for a profile a person can read.
 
@@ -36,6 +38,9 @@ COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "c
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # $f8 is a suffix of the second
 CONV_TARGET = "__cudnn$conv"
 ATTENTION_TARGET = "__cudnn$fmha"
+# Pallas kernels: Triton's (what `pallas_call` lowers to with Triton's compiler parameters) and Mosaic GPU's
+KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
+_KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')  # in a Triton call's backend_config
 SLICING_OPS = ("dynamic-slice", "slice", "gather")
 
 
@@ -44,7 +49,7 @@ class Kernel:
     """One kernel of the step (see the module's docstring)."""
 
     name: str
-    kind: str  # "gemm", "attention", "collective", "elementwise"
+    kind: str  # "gemm", "attention", "collective", "custom_call", "elementwise"
     opcode: str  # the HLO opcode; a custom call's target; a fusion's kind
     dtype: str  # products: their operands' element type ("bf16", "f32", "f8"); otherwise the result's
     flops: float  # per run
@@ -52,6 +57,7 @@ class Kernel:
     runs: int  # per step
     op_name: str
     known: bool = True  # False: an instruction this reader has no rule for, costed as elementwise
+    callee: str = ""  # a custom call's kernel: a Pallas kernel's name
 
     @property
     def step_flops(self) -> float:
@@ -176,6 +182,10 @@ def _kernel(instruction: Instruction, computation: Computation, computations: di
     if opcode == "custom-call" and target.startswith(ATTENTION_TARGET):
         return Kernel(kind="attention", opcode=target, dtype=_product_dtype(result[0].dtype),
                       flops=_attention_flops(instruction, operands), bytes=read + written, **common)
+    if opcode == "custom-call" and target.startswith(KERNEL_CALL_TARGETS):
+        written = sum(a.bytes for a in arrays(instruction.shape))  # every result: no library scratch to leave out
+        return Kernel(kind="custom_call", opcode=target, dtype=result[0].dtype if result else "", flops=0.0,
+                      bytes=read + written, callee=kernel_call_name(instruction), **common)
     if opcode.removesuffix("-start") in COLLECTIVE_OPS:
         return Kernel(kind="collective", opcode=opcode.removesuffix("-start"), dtype=result[0].dtype if result
                       else "", flops=0.0, bytes=float(sum(collective_bytes(instruction).values())), **common)
@@ -193,6 +203,13 @@ def _kernel(instruction: Instruction, computation: Computation, computations: di
     return Kernel(kind="elementwise", opcode=opcode if opcode != "custom-call" else target,
                   dtype=result[0].dtype if result else "", flops=float(sum(a.elements for a in result)),
                   bytes=read + written, known=opcode in ELEMENTWISE_OPS, **common)
+
+
+def kernel_call_name(instruction: Instruction) -> str:
+    """A Pallas kernel's name: a Triton call's `name` (its kernel function's), else the last part of its op_name."""
+    config = instruction.attributes.find("backend_config=")
+    named = _KERNEL_NAME.findall(instruction.attributes[config:]) if config >= 0 else []
+    return named[-1] if named else instruction.op_name.rsplit("/", 1)[-1]
 
 
 def _payload(instruction: Instruction) -> list[Array]:

@@ -9,7 +9,7 @@ as clip_jax's, and a clean-up (`remove`) deletes only what the manifest names.
 
 Names that begin with `.clip_jax` (the manifest, locks, staging folders) are clip_jax's by their name. A run
 directory written before manifests existed is recognised by its `config.json` (a clip_jax run config): the entries
-a run writes count as clip_jax's there (`clip_jax.runtime.run_directory`, which knows the layout).
+a run writes count as clip_jax's there (`clip_jax.runtime.run_layout`, which knows the layout).
 
 Folders may be local or on a bucket (`clip_jax.runtime.storage`). One process writes a folder's manifest at a time: the
 shard writers that several processes call hold the folder's lock, and a run's manifest is written by process 0.
@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.runtime import storage
+from clip_jax.runtime import run_layout, storage
 
 MANIFEST = ".clip_jax-written"
 OWN_PREFIX = ".clip_jax"  # names clip_jax's by their name: the manifest, locks, staging folders
@@ -119,6 +119,4 @@ def remove(folder: str, name: str) -> None:
 
 def _older_run_entries(folder: str) -> tuple[str, ...]:
     """The entries a run writes, when `folder` is a run directory written before manifests; else none."""
-    from clip_jax.runtime import run_directory
-
-    return run_directory.RUN_ENTRIES if run_directory.written_before_manifests(folder) else ()
+    return run_layout.RUN_ENTRIES if run_layout.written_before_manifests(folder) else ()

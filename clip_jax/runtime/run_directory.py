@@ -1,44 +1,17 @@
-"""A run directory, `LOGS/NAME/`: its layout, what the run wrote there, and the clean-up of a start that failed.
+"""A run directory, `LOGS/NAME/`: what the run wrote there, and the clean-up of a start that failed.
 
-Every name a run writes into its directory is spelled here and nowhere else:
-
-    config.json        the run's config (pretraining's or fine-tuning's), written anew at every start
-    checkpoints/STEP/  train state, data position and the run's record (`clip_jax.runtime.checkpoints`)
-    metrics.jsonl      one record a line (`clip_jax.ops.run_outputs`)
-    tensorboard/       TensorBoard events; wandb/ and wandb_run_id: W&B's files (when the run reports there)
-    report.png         the plots of `python -m clip_jax.report`
-    export/            a fine-tuning run's exported model (and its WiSE-FT table and plot beside it)
-
-A `RunDirectory` refuses a folder holding files of those names that clip_jax did not write (`refuse_foreign`),
+Its layout, every name a run writes into it, is `clip_jax.runtime.run_layout`. A `RunDirectory` refuses a folder
+holding files of those names that clip_jax did not write (`refuse_foreign`),
 records the entries its run writes before writing them (`record`, `clip_jax.runtime.ownership`), and notes the
 folders it had to make, so that a run that fails before it has anything to show takes back what it wrote
 (`remove_if_unused`). `resolve_resume` and `read_variables` read a run's checkpoints by the same layout.
 """
 
-import json
 import os
 import re
 
 from clip_jax.runtime import checkpoints, ownership, storage
-
-CONFIG = "config.json"
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
-TENSORBOARD = "tensorboard"
-WANDB, WANDB_RUN_ID = "wandb", "wandb_run_id"
-REPORT = "report.png"
-EXPORT = "export"
-# What a run directory written before manifests may hold (any clip_jax run: train, report, W&B).
-RUN_ENTRIES = (CONFIG, CHECKPOINTS, METRICS, TENSORBOARD, WANDB, WANDB_RUN_ID, REPORT)
-# The appended files a resumed run on a bucket continues (`storage.StagedOutputs`).
-CARRIED = (METRICS, WANDB_RUN_ID)
-_RUN_CONFIG_KEYS = {"model", "train_data", "logs", "make_train_data"}
-
-
-def reported_entries(targets) -> list[str]:
-    """The entries of the metrics targets ("tensorboard", "wandb") a run reports to."""
-    return ([TENSORBOARD] if "tensorboard" in targets else []) + ([WANDB, WANDB_RUN_ID] if "wandb" in targets else [])
-
+from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, METRICS, RUN_ENTRIES
 
 class RunDirectory:
     """The run directory at `path` (local or on a bucket). `entries`: every name the run may write there, checked
@@ -101,18 +74,6 @@ class RunDirectory:
         for folder in self.made:  # deepest first
             if os.path.isdir(folder) and not os.listdir(folder):
                 os.rmdir(folder)
-
-
-def written_before_manifests(folder: str) -> bool:
-    """A run directory written before manifests: its `config.json` is a clip_jax run config."""
-    config = storage.join(folder, CONFIG)
-    if not storage.isfile(config):
-        return False
-    try:
-        fields = json.loads(storage.read_text(config))
-    except (OSError, ValueError):
-        return False
-    return isinstance(fields, dict) and _RUN_CONFIG_KEYS <= set(fields)
 
 
 def resolve_resume(resume: str, run_dir: str) -> tuple[str, int | None]:

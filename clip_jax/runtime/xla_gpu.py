@@ -8,8 +8,8 @@ the collectives it emits, the kernels it calls. It cannot time anything, and its
 
 Two settings make it work on a machine without a driver: the plugin's start-up check of the CUDA installation must
 be skipped (`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, read once when JAX loads its plugins: `prepare` sets it), and
-the compiler must not autotune or pick Triton GEMMs, which need a device (`COMPILER_OPTIONS`, given to every
-compile by `compile_lowered`).
+the compiler must not autotune or pick Triton GEMMs, which need a device (`DEVICELESS_OPTIONS`; with the flags the
+project adopts, `ADOPTED_FLAGS`, they are the `COMPILER_OPTIONS` `compile_lowered` gives every compile).
 
 The same plugin, installed on a machine without a GPU, makes JAX print its start-up check's failure (`cuInit(0)
 failed`) as an error-level traceback before it goes on with the CPU: `quiet_cuda_plugin` (`clip_jax.cuda_plugin`,
@@ -28,7 +28,15 @@ from clip_jax.runtime.hlo_text import parse as parse_hlo
 from clip_jax.runtime.hardware import GPU
 
 SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# The XLA:GPU flags the project adopts, the one list of them: the compiles here take them as compiler options, a
+# GPU run as XLA_FLAGS (launch/env.sh reads `python -m clip_jax.runtime.xla_gpu`; the GPU suite's runs take them,
+# each flag with a spec of its numerics, benchmarks/gpu_suite.py).
+# - Triton's multi-output fusions: the LayerNorm backward's row sums in one kernel with its input gradient
+#   (benchmarks/RESULTS.md section 34: 32 GB a step less for ViT-L/14 with dots_saveable at 256 on an H200).
+ADOPTED_FLAGS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
+# What a compile without a GPU needs besides: no autotuning and no Triton GEMMs (both time kernels on the device).
+DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+COMPILER_OPTIONS = {**ADOPTED_FLAGS, **DEVICELESS_OPTIONS}
 INSTALL_HINT = "pip install -e '.[gpu]' (jaxlib's CUDA plugin and NVIDIA's libraries, about 4.4 GB of wheels)"
 GPUS_PER_NODE = 8  # the default topology's node size, when it divides the GPU count
 
@@ -87,8 +95,26 @@ def devices(gpu: GPU, nodes: int, gpus_per_node: int) -> list:
 
 
 def compile_lowered(lowered):
-    """`lowered.compile()` with the options a deviceless compile needs."""
+    """`lowered.compile()` with the adopted flags and the options a deviceless compile needs."""
     return lowered.compile(compiler_options=COMPILER_OPTIONS)
+
+
+def xla_flags_text(flags: dict = ADOPTED_FLAGS) -> str:
+    """Flags as XLA_FLAGS writes them: "--name=true --other=0"."""
+    return " ".join(f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+                    for name, value in flags.items())
+
+
+def parse_xla_flags(text: str) -> dict:
+    """XLA_FLAGS' text as {flag: value} (true/false as booleans, integers as ints; a later repeat wins, as in XLA)."""
+    flags = {}
+    for token in text.split():
+        name, _, value = token.removeprefix("--").partition("=")
+        if value.lower() in ("true", "false", ""):
+            flags[name] = value.lower() != "false"
+        else:
+            flags[name] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    return flags
 
 
 # -- reading the compiled step ---------------------------------------------------------------------------------
@@ -131,3 +157,7 @@ def fused_attention(hlo_text: str) -> dict[str, int]:
     """Call sites of cuDNN's fused attention in a compiled program: {"forward": n, "backward": n}."""
     targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', hlo_text)
     return {"forward": sum("Backward" not in t for t in targets), "backward": sum("Backward" in t for t in targets)}
+
+
+if __name__ == "__main__":  # the adopted flags for a GPU run's XLA_FLAGS (launch/env.sh)
+    print(xla_flags_text())

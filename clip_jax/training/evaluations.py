@@ -24,8 +24,8 @@ import numpy as np
 from clip_jax.evaluation.evaluator import EvalSetting, Evaluator
 from clip_jax.models import create_model, get_model_config
 from clip_jax.models.config import as_trained
-from clip_jax.models.model_tokenizer import with_run_tokenizer
 from clip_jax.runtime.stop_signals import CutShort, never
+from clip_jax.text.model_tokenizer import with_run_tokenizer
 
 ZEROSHOT, VALIDATION, LINEAR_PROBE = "zeroshot", "validation", "linear_probe"
 # of the metric names each evaluation records

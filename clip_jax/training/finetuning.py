@@ -32,7 +32,7 @@ from clip_jax.interop.export import export_open_clip
 from clip_jax.interop.opener import open_model
 from clip_jax.runtime import storage
 from clip_jax.runtime.mesh import create_mesh
-from clip_jax.runtime.run_directory import CHECKPOINTS, CONFIG, EXPORT, METRICS, RUN_ENTRIES, reported_entries
+from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, EXPORT, METRICS, RUN_ENTRIES, reported_entries
 from clip_jax.training import classification_step as cs
 from clip_jax.training import wise_ft
 from clip_jax.training.config_checks import report_targets

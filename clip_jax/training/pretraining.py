@@ -11,10 +11,10 @@ import numpy as np
 
 from clip_jax import data
 from clip_jax.models.flops import train_flops
-from clip_jax.models.model_tokenizer import tokenizer_for
 from clip_jax.models.precision import check_fp8
 from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
-from clip_jax.runtime.run_directory import RUN_ENTRIES
+from clip_jax.runtime.run_layout import RUN_ENTRIES
+from clip_jax.text.model_tokenizer import tokenizer_for
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.evaluations import Evaluations, Scheduled, configured, eval_setting
 from clip_jax.training.remat_choice import step_spec

@@ -23,7 +23,8 @@ from clip_jax.errors import InvalidInput, RunFailed, UserError
 from clip_jax.runtime import storage
 from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, latest_complete_step, read_meta,
                                           saved_process_count)
-from clip_jax.runtime.run_directory import CHECKPOINTS, CONFIG, METRICS, RunDirectory, reported_entries, resolve_resume
+from clip_jax.runtime.run_directory import RunDirectory, resolve_resume
+from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, METRICS, reported_entries
 from clip_jax.training.config_checks import report_targets
 from clip_jax.training.task import COMMANDS
 
@@ -172,7 +173,7 @@ def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int |
 
 
 def run_entries(config) -> list[str]:
-    """What a run writes into its directory (`run_directory.RUN_ENTRIES` are all a pretraining run may hold)."""
+    """What a run writes into its directory (`run_layout.RUN_ENTRIES` are all a pretraining run may hold)."""
     return [CONFIG, CHECKPOINTS, METRICS] + reported_entries(report_targets(config.report_to))
 
 

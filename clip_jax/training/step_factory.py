@@ -31,13 +31,13 @@ from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import as_trained
 from clip_jax.models.layers import choose_attention_impl
-from clip_jax.models.model_tokenizer import with_run_tokenizer
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
 from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
 from clip_jax.optim.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_size, state_shardings
+from clip_jax.text.model_tokenizer import with_run_tokenizer
 from clip_jax.training import classification_step
 from clip_jax.training.loss import LOSSES
 from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry

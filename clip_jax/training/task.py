@@ -2,14 +2,15 @@
 classification fine-tuning (`training.finetuning`); the run loop (`training.trainer`) does the rest, the same for
 both: the run directory, checkpoints, the step loop, stop signals, non-finite steps and rollbacks, metrics.
 
-A task is made from its config (`task_for`: the kind of config decides) and answers the loop in the order the
-loop's set-up asks: `check` (nothing built or written yet), `prepare_data` (the data found, or written first),
-`build` (schedule, mesh, the step from `build_step`), `open_data` (this process's batches from the step a run starts
-at), `fresh_state` (a new run's state), `evaluations`; then, as the loop runs, `mfu`, `data_scalars` and
-`meta_fields` at each log line and save, `eval_weights` at each evaluation, `step_under` at a rollback to fp32, and `finish` once the last step is done.
+A task is made from its config (`training.task_choice.task_for`: the kind of config decides) and answers the loop
+in the order the loop's set-up asks: `check` (nothing built or written yet), `prepare_data` (the data found, or
+written first), `build` (schedule, mesh, the step from `build_step`), `open_data` (this process's batches from the
+step a run starts at), `fresh_state` (a new run's state), `evaluations`; then, as the loop runs, `mfu`,
+`data_scalars` and `meta_fields` at each log line and save, `eval_weights` at each evaluation, `step_under` at a
+rollback to fp32, and `finish` once the last step is done.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 # The command that runs each task, named in the line that refuses the other's config or checkpoint.
@@ -69,15 +70,3 @@ class Task(Protocol):
 
 def is_finetune_config(config) -> bool:
     return "head_init" in config and "train_data" not in config
-
-
-def task_for(config, evaluators: Sequence = ()) -> Task:
-    """The task a config describes: classification fine-tuning (`default_finetune_config`'s fields), else CLIP
-    pretraining; `evaluators`: `Scheduled` evaluations the caller adds to the config's."""
-    if is_finetune_config(config):
-        from clip_jax.training.finetuning import ClassificationFinetuning
-
-        return ClassificationFinetuning(config, evaluators)
-    from clip_jax.training.pretraining import ClipPretraining
-
-    return ClipPretraining(config, evaluators)

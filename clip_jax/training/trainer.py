@@ -35,7 +35,7 @@ from clip_jax.training.evaluations import Scheduled
 from clip_jax.training.run_setup import plan_run_start, unread_saved_fields
 from clip_jax.training.stability import InstabilityMonitor, TrainingUnstable, rollback_step  # noqa: F401
 from clip_jax.training.step_reads import Read, StepReads
-from clip_jax.training.task import task_for
+from clip_jax.training.task_choice import task_for
 
 log = logging.getLogger("clip_jax.train")
 

@@ -168,7 +168,7 @@ def _byte_pair_encoder() -> tokenizers.Tokenizer:
 def bpe_vocabulary() -> tuple[list[str], list[tuple[str, str]]]:
     """(tokens, merges): the token of each id, 0 to VOCAB_SIZE - 1 (the last two `<start_of_text>`,
     `<end_of_text>`), and the merges in the order they apply, from the vocabulary file shipped with clip_jax."""
-    vocab_text = gzip.decompress(importlib.resources.files("clip_jax").joinpath(VOCAB_FILE).read_bytes())
+    vocab_text = gzip.decompress(importlib.resources.files("clip_jax.text").joinpath(VOCAB_FILE).read_bytes())
     lines = vocab_text.decode("utf-8").split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 1 + NUM_MERGES]]
     if len(merges) != NUM_MERGES or any(len(m) != 2 for m in merges):

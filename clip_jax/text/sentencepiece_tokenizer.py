@@ -48,7 +48,7 @@ import numpy as np
 import tokenizers
 
 from clip_jax.errors import InvalidInput, MissingInput, require_extra
-from clip_jax.tokenizer import check_captions, is_plain_ascii
+from clip_jax.text.clip_tokenizer import check_captions, is_plain_ascii
 
 CONTEXT_LENGTH = 64  # SigLIP's and SigLIP 2's text length
 TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model")  # in the order they are looked for

@@ -1,0 +1,144 @@
+"""The step's memory-bound work, change by change: ViT-L/14's bf16 train step compiled for XLA:GPU without a GPU,
+its memory-bound bytes and its samples/s predicted by the step-time model, with each change of issue 54 undone in
+turn (the first row undoes them all: the step as it was).
+
+    python benchmarks/memory_bound_step.py [--out DIR] [--cache DIR] [--rows N]
+
+Settings: one H200 at 256 with cuDNN attention, `dots_saveable` and no remat; one A100-40GB at 224 with
+`nothing_saveable` (the LAION-2B recipe's). A row's changes are cumulative: row k has the first k changes. A
+change is undone in this process only (a patched function, other compiler options), never in the library.
+Memory-bound bytes: every kernel the reader (`clip_jax.runtime.hlo_kernels`) does not count as a product, fused
+attention or collective, every run counted, read plus written. Predicted samples/s: `clip_jax.plan.step_time` with
+`H200_FIT` scaled to each GPU's datasheet. Needs jaxlib's CUDA plugin (`pip install -e '.[gpu]'`); each compile
+takes minutes on two cores (the HLO is cached in --cache, keyed by the row, the setting and the model's source).
+Prints a table and writes DIR/memory_bound_step.json.
+"""
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import json
+import pathlib
+import sys
+import time
+from unittest import mock
+
+from clip_jax.runtime import xla_gpu
+
+xla_gpu.prepare()
+
+import jax  # noqa: E402
+
+from clip_jax import plan  # noqa: E402
+from clip_jax.models import layers  # noqa: E402
+from clip_jax.plan import step_time  # noqa: E402
+from clip_jax.runtime import hlo_kernels  # noqa: E402
+from clip_jax.runtime.hardware import get_gpu  # noqa: E402
+from clip_jax.runtime.mesh import create_mesh  # noqa: E402
+from clip_jax.training.step_factory import StepSpec  # noqa: E402
+
+SETTINGS = [  # (gpu, remat, per-GPU batch)
+    ("h200", "dots_saveable", 256),
+    ("h200", "none", 256),
+    ("a100-40gb", "nothing_saveable", 224),
+]
+SOURCES = pathlib.Path(layers.__file__).parent  # the model's code: a change there is another cache key
+
+
+def autodiff_gelu_input_gradient(x, cotangent, quick, approximate):
+    """The GELU backward as the step had it: autodiff's pullback of the float32 GELU."""
+    _, pullback = jax.vjp(lambda x32: layers._gelu(x32, quick, approximate), x)
+    return pullback(cotangent)[0]
+
+
+def without_gelu_written_out():
+    return mock.patch.object(layers, "_gelu_input_gradient", autodiff_gelu_input_gradient)
+
+
+def without_adopted_flags():
+    return mock.patch.object(xla_gpu, "COMPILER_OPTIONS", dict(xla_gpu.DEVICELESS_OPTIONS))
+
+
+# Issue 54's changes in the order they landed: (row name, how to undo it here).
+CHANGES = [
+    ("GELU' written out (Phi(x) + x phi(x))", without_gelu_written_out),
+    ("+ Triton multi-output fusions (adopted flag)", without_adopted_flags),
+]
+
+
+def undone(row: int) -> contextlib.ExitStack:
+    """The step with the first `row` changes and without the rest."""
+    stack = contextlib.ExitStack()
+    for _, undo in CHANGES[row:]:
+        stack.enter_context(undo())
+    return stack
+
+
+def source_key() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.glob("*.py")) + [pathlib.Path(xla_gpu.__file__)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def compiled_kernels(row: int, gpu_name: str, remat: str, batch: int, cache: pathlib.Path) -> tuple[list, float]:
+    """(kernels, GiB per device) of the step at a setting with the first `row` changes."""
+    path = cache / f"row{row}_{gpu_name}_{remat}_{batch}_{source_key()}.json.gz"
+    if not path.exists():
+        spec = StepSpec.for_model("ViT-L-14", "bf16", remat, attention_impl="cudnn")
+        start = time.perf_counter()
+        with undone(row):
+            compiled = plan.compile_train_step(spec, create_mesh(xla_gpu.devices(get_gpu(gpu_name), 1, 1)), batch)
+        gib = plan.StepMemory.of(compiled).total / 2**30
+        with gzip.open(path, "wt") as f:
+            json.dump({"hlo": compiled.as_text(), "gib": gib}, f)
+        print(f"compiled row {row} {gpu_name} {remat} {batch} in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    saved = json.load(gzip.open(path, "rt"))
+    return hlo_kernels.kernels(saved["hlo"]), saved["gib"]
+
+
+def measure(row: int, gpu_name: str, remat: str, batch: int, cache: pathlib.Path) -> dict:
+    kernels, gib = compiled_kernels(row, gpu_name, remat, batch, cache)
+    predicted = step_time.predict(kernels, step_time.KernelRates.of(get_gpu(gpu_name)))
+    memory_bound = sum(k.step_bytes for k in kernels if k.kind not in ("gemm", "attention", "collective"))
+    return {"gpu": gpu_name, "remat": remat, "batch": batch, "memory_bound_gb": memory_bound / 1e9,
+            "samples_per_s": batch / predicted.seconds, "step_ms": predicted.seconds * 1e3, "device_gib": gib,
+            "kernel_runs": sum(k.runs for k in kernels), "split_ms": {p: s * 1e3 for p, s in predicted.split.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
+    parser.add_argument("--cache", default=str(pathlib.Path(__file__).parent / "out" / "memory_bound_hlo"))
+    parser.add_argument("--rows", type=int, default=len(CHANGES) + 1, help="only the first N rows")
+    args = parser.parse_args()
+    jax.config.update("jax_platforms", "cpu")
+    out, cache = pathlib.Path(args.out), pathlib.Path(args.cache)
+    out.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+
+    names = ["today (none of the changes)"] + [name for name, _ in CHANGES]
+    rows = [{"change": names[row], "settings": [measure(row, *setting, cache) for setting in SETTINGS]}
+            for row in range(min(args.rows, len(names)))]
+
+    header = "".join(f"{f'{g} {r} {b}':>38}" for g, r, b in SETTINGS)
+    lines = ["ViT-L/14 bf16, cuDNN attention; per setting: memory-bound GB, predicted samples/s (x the first row),"
+             " GiB per device", f"{'change':<48}{header}"]
+    for row in rows:
+        cells = []
+        for setting, base in zip(row["settings"], rows[0]["settings"]):
+            ratio = setting["samples_per_s"] / base["samples_per_s"]
+            cells.append(f"{setting['memory_bound_gb']:>9.1f} GB {setting['samples_per_s']:>7.1f}/s "
+                         f"({ratio:.3f}x) {setting['device_gib']:>5.1f}")
+        lines.append(f"{row['change']:<48}" + "".join(f"{c:>38}" for c in cells))
+    table = "\n".join(lines)
+    print(table)
+    result = {"jax": jax.__version__, "efficiencies": step_time.H200_FIT.fitted_on,
+              "compiler_options": xla_gpu.COMPILER_OPTIONS, "rows": rows}
+    (out / "memory_bound_step.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
