@@ -1,6 +1,6 @@
 """The errors a user can fix: a bad setting, a missing file, a run that cannot go on.
 
-Every command's entry (`clip_jax.entry`) catches `UserError` and prints its message as one line with exit status 2
+Every command's entry (`clip_jax.runtime.entry`) catches `UserError` and prints its message as one line with exit status 2
 (the data tools keep their status 1), or 1 when the run itself failed (`RunFailed`: a full disk, a cluster that
 does not start, a loss that keeps diverging; `exit_status`). Any other exception is a bug in clip_jax and keeps its
 traceback. The subclasses

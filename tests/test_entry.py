@@ -1,4 +1,4 @@
-"""Every command ends through one entry (clip_jax/entry.py): a user error in one line (exit 2, the data tools 1), a
+"""Every command ends through one entry (clip_jax/runtime/entry.py): a user error in one line (exit 2, the data tools 1), a
 run that failed 1, Ctrl-C in one line with exit 130 and no half-written file, at once even during an XLA compile.
 
 The Ctrl-C tests send real SIGINTs at named moments through the test seam CLIP_JAX_TEST_SIGINT_AT (the command
@@ -16,7 +16,6 @@ import pytest
 from test_clip_benchmark import CLASSES, TEMPLATES, classification_samples, write_dataset
 from test_embed import image_bytes, write_export
 
-from clip_jax import entry
 from clip_jax.data import check as data_check
 from clip_jax.data import make_shards
 from clip_jax.errors import InvalidInput, RunFailed
@@ -24,7 +23,7 @@ from clip_jax.evaluation import benchmark_cli, clip_score, embed, zeroshot
 from clip_jax.interop import export, guide, similarity, weight_files
 from clip_jax.ops import report
 from clip_jax.plan import __main__ as plan_command
-from clip_jax.runtime import stop_signals
+from clip_jax.runtime import entry, stop_signals
 from clip_jax.training import command as train_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,7 +197,7 @@ def test_ctrl_c_during_the_compile_ends_the_process_at_once(inputs, tmp_path):
 
 HELD_IN_A_COMPILE = '''
 import os, signal, sys, threading
-from clip_jax import entry
+from clip_jax.runtime import entry
 
 ready = threading.Event()
 compiler = {"ready": ready}  # a function whose code is JAX's compiler's, which holds the main thread in a read

@@ -29,10 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from clip_jax import entry
 from clip_jax.data import filters, skips, transforms, webdataset
 from clip_jax.data import shards as shards_lib
-from clip_jax.runtime import ownership
+from clip_jax.runtime import entry, ownership
 
 SIDE_BINS = (0, 64, 128, 256, 512, 1024, 2048)  # histogram of the shorter image side
 CHAR_BINS = (0, 10, 20, 50, 100, 200, 500, 1000)

@@ -17,13 +17,12 @@ from collections.abc import Callable, Iterator
 
 from PIL import Image
 
-from clip_jax import entry
 from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.image_folder import image_folder_samples
 from clip_jax.data.shard_writer import ROWS_PER_SHARD_MAX, Sample, encode_jpeg, shard_pattern, write_shards
 from clip_jax.data.shards import expand_braces
 from clip_jax.errors import InvalidInput
-from clip_jax.runtime import ownership, stop_signals
+from clip_jax.runtime import entry, ownership, stop_signals
 
 # What the demo's shards take per Fashion-MNIST image (tar members, stats and parquet): 3.84 MB for the first 1,024
 FASHION_MNIST_SHARD_BYTES_PER_IMAGE = 3_750

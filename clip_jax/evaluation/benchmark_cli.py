@@ -29,7 +29,6 @@ import time
 
 import jax
 
-from clip_jax import entry
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
@@ -41,7 +40,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import storage
+from clip_jax.runtime import entry, storage
 from clip_jax.runtime.mesh import create_mesh
 
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from clip_jax import entry
 from clip_jax.data import skips, webdataset
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_reader
 from clip_jax.evaluation.embed_parts import shard_urls
 from clip_jax.evaluation.embed_reader import Sample
+from clip_jax.runtime import entry
 
 PROGRESS_EVERY_S = 10.0
 SCALE = 100.0  # torchmetrics' CLIPScore: 100 x max(cos, 0)

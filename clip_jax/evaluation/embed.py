@@ -27,14 +27,13 @@ import time
 
 import numpy as np
 
-from clip_jax import entry
 from clip_jax.data import webdataset
 from clip_jax.data.transforms import normalize
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_parts, embed_reader, embed_writer
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
-from clip_jax.runtime import storage
+from clip_jax.runtime import entry, storage
 
 PROGRESS_EVERY_S = 10.0
 

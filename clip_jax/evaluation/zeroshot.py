@@ -26,7 +26,6 @@ import time
 import jax
 import numpy as np
 
-from clip_jax import entry
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
 from clip_jax.errors import InvalidInput
@@ -43,7 +42,7 @@ from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import ownership, stop_signals, storage
+from clip_jax.runtime import entry, ownership, stop_signals, storage
 from clip_jax.runtime.mesh import create_mesh
 
 

@@ -26,7 +26,6 @@ import json
 import os
 import sys
 
-from clip_jax import entry
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import hf_folder
 from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE,
@@ -34,7 +33,7 @@ from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, IN
 from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import entry, ownership, storage
 from clip_jax.runtime.run_layout import CHECKPOINTS
 
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from clip_jax import entry
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import guidance
+from clip_jax.runtime import entry
 
 
 LABEL_BAND = 16  # pixels below the frames that hold their step labels

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from PIL import Image
 
-from clip_jax import entry
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import eval_crop, normalize
 from clip_jax.errors import InvalidInput, MissingInput
@@ -34,7 +33,7 @@ from clip_jax.interop.inference import eval_transform
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
-from clip_jax.runtime import ownership
+from clip_jax.runtime import entry, ownership
 from clip_jax.text.model_tokenizer import tokenizer_for
 
 DEFAULT_MODEL = "ViT-B-32"  # without --checkpoint or --model

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from clip_jax import entry
 from clip_jax.errors import InvalidInput, require_extra
 from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten, write_safetensors
 from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
@@ -25,7 +24,7 @@ from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, 
 from clip_jax.interop.opener import WeightsFile, model_source
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
-from clip_jax.runtime import ownership
+from clip_jax.runtime import entry, ownership
 
 
 def save_params(path: str, params) -> None:

@@ -17,9 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from clip_jax import entry
 from clip_jax.errors import InvalidInput, MissingInput, require_extra
-from clip_jax.runtime import ownership, run_layout, storage
+from clip_jax.runtime import entry, ownership, run_layout, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
 PANELS = (

@@ -4,13 +4,13 @@ import sys
 
 import jax
 
-from clip_jax import cli, entry
+from clip_jax import cli
 from clip_jax.errors import InvalidInput
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
 from clip_jax.plan.report import format_plan, plan_json
 from clip_jax.run_config import default_config
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import entry, xla_gpu
 from clip_jax.runtime.hardware import GPUS
 
 

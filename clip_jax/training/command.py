@@ -12,10 +12,10 @@ import sys
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from clip_jax import cli, entry
+from clip_jax import cli
 from clip_jax.errors import InvalidInput
 from clip_jax.run_config import default_config
-from clip_jax.runtime import storage_faults
+from clip_jax.runtime import entry, storage_faults
 from clip_jax.runtime.processes import initialize_from_environment
 from clip_jax.runtime.stop_signals import StopSignal
 from clip_jax.training.finetune_config import default_finetune_config

@@ -13,8 +13,8 @@
   that the same command run again continues.
 - During an XLA compile, JAX holds the main thread in native code without the interpreter's lock, and a Python
   signal handler would run only once the compile returns (minutes for ViT-L). A watcher thread, woken by the
-  signal itself (`signal.set_wakeup_fd`), ends such a process at once: the line, the unfinished files removed,
-  `os._exit(130)` (no exit handlers run: nothing waits for the compile, and nothing crashes in it).
+  signal itself, ends such a process at once: the line, the unfinished files removed, `os._exit(130)` (no exit
+  handlers run: nothing waits for the compile, and nothing crashes in it); see `stop_signals.ctrl_c_ends_compiles`.
 - A warning a library logs (`logging`: a shard that cannot be read, a filter field a sample lacks) is a line like
   the commands' own, `warning: MESSAGE`, where nothing else prints it (Python would print the bare message).
 
@@ -26,15 +26,12 @@ The test seam `CLIP_JAX_TEST_SIGINT_AT` (see `stop_signals.reached`) makes a com
 import contextlib
 import functools
 import logging
-import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 
 from clip_jax.cuda_plugin import quiet_cuda_plugin
 from clip_jax.errors import RunFailed, UserError
-from clip_jax.runtime import private_apis, stop_signals
+from clip_jax.runtime import stop_signals
 
 USAGE_ERROR = 2  # a usage or user error (the data tools: 1)
 RUN_FAILED = 1
@@ -63,7 +60,7 @@ def run(work: Callable[[], int | None], *, stopped: str = NOTHING_WRITTEN, user_
     quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     line = f"stopped (Ctrl-C) {stopped}"
     try:
-        with (ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext(),
+        with (stop_signals.ctrl_c_ends_compiles(line) if interrupts else contextlib.nullcontext(),
               warnings_as_lines() if interrupts else contextlib.nullcontext()):
             stop_signals.reached("start")
             return work() or 0
@@ -113,65 +110,3 @@ def warnings_as_lines() -> Iterator[None]:
         yield
     finally:
         root.removeHandler(handler)
-
-
-@contextlib.contextmanager
-def ctrl_c_ends_compiles(line: str) -> Iterator[None]:
-    """Inside: SIGINT raises KeyboardInterrupt in the main thread, unless the main thread is compiling; then the
-    watcher thread prints `line`, removes the unfinished files and ends the process at once with status 130."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals reach the main thread only
-        return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    watch = _Watch(read_end, line)
-    watcher = threading.Thread(target=watch.run, daemon=True, name="ctrl-c-watcher")
-    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    previous_handler = signal.signal(signal.SIGINT, watch.handle)
-    if os.environ.get(stop_signals.TEST_SIGINT_AT, "").startswith("compile"):
-        private_apis.at_each_compile(lambda: stop_signals.reached("compile"))
-    stop_signals.reset_moments()
-    watcher.start()
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-        signal.set_wakeup_fd(previous_fd)
-        os.close(write_end)  # the watcher reads the end of the pipe and returns
-        watch.handled.set()
-        watcher.join()
-        os.close(read_end)
-
-
-class _Watch:
-    """The two halves of a SIGINT: `handle`, the Python handler (run by the main thread once it runs Python), and
-    `run`, the watcher thread, woken by the interpreter's C-level handler through the wakeup pipe as the signal
-    arrives. A compile on the main thread (JAX's compiler on its stack) is ended by the watcher: at once when it is in
-    native code, where the handler cannot run; after the handler, which leaves it to the watcher, when the signal
-    came in its Python part. Anywhere else the handler raises KeyboardInterrupt and the watcher does nothing."""
-
-    def __init__(self, read_end: int, line: str):
-        self.read_end, self.line = read_end, line
-        self.handled, self.deferred = threading.Event(), False
-
-    def handle(self, signum, frame) -> None:
-        self.deferred = private_apis.jax_compiling(frame)
-        self.handled.set()
-        if not self.deferred:
-            raise KeyboardInterrupt
-
-    def run(self) -> None:
-        while True:
-            received = os.read(self.read_end, 64)
-            if not received:
-                return
-            if signal.SIGINT not in received:
-                continue
-            if not private_apis.jax_compiling(sys._current_frames().get(threading.main_thread().ident)):
-                self.handled.wait()  # the main thread runs Python: its handler decides
-                self.handled.clear()
-                if not self.deferred:
-                    continue
-            stop_signals.remove_unfinished(ending=True)
-            os.write(2, (self.line + "\n").encode())
-            os._exit(INTERRUPTED)
