@@ -1,9 +1,9 @@
 """The errors a user can fix: a bad setting, a missing file, a run that cannot go on.
 
-Every command-line entry point catches `UserError` and prints its message as one line with exit status 2 (the
-data tools keep their status 1); the trainer exits 1 instead when the run itself failed (`RunFailed`: a full disk,
-a cluster that does not start, a loss that keeps diverging), 2 when what it was given is wrong (`exit_status`). Any
-other exception is a bug in clip_jax and keeps its traceback. The subclasses
+Every command's entry (`clip_jax.runtime.entry`) catches `UserError` and prints its message as one line with exit status 2
+(the data tools keep their status 1), or 1 when the run itself failed (`RunFailed`: a full disk, a cluster that
+does not start, a loss that keeps diverging; `exit_status`). Any other exception is a bug in clip_jax and keeps its
+traceback. The subclasses
 also derive from the built-in kind that describes them (`ValueError`, `FileNotFoundError`, `RuntimeError`,
 `ModuleNotFoundError`), so callers that catch those keep working.
 """

@@ -1,5 +1,8 @@
 """A checkpoint of another model or optimizer is refused with the differences named, before Orbax reads it."""
 
+import sys
+import types
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -54,6 +57,52 @@ def test_another_width_is_refused_naming_the_leaf_both_shapes_and_the_saved_mode
 def test_a_leaf_only_this_run_has_is_named(saved):
     with pytest.raises(CheckpointMismatchError, match="params/text_projection: only in this run"):
         saved.restore(7, abstract(train_state(8, extra=True)))
+
+
+def test_a_full_disk_leaves_no_writer_threads_or_closed_event_loops_traceback_beside_the_runs_line(monkeypatch):
+    """TensorBoard's event writer thread dying of the full disk, and asyncio's "Event loop is closed" of a stopped
+    save's coroutines, reach no hook that prints them while the command runs (the run's one line says it);
+    anything else still does, and the hooks are as before afterwards."""
+    import errno
+    import logging
+    import threading
+
+    from clip_jax.runtime.storage_faults import quiet_orbax_records
+
+    reached = []  # what the hooks in place before (Python's, which print a traceback) were handed
+    monkeypatch.setattr(threading, "excepthook", lambda args: reached.append(args.exc_value))
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: reached.append(args.exc_value))
+    hooks = threading.excepthook, sys.unraisablehook
+
+    def thread_dying_of(error):
+        def run():
+            raise error
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+
+    def unraisable(error):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                                                 err_msg="Exception ignored in", object=None))
+
+    def asyncio_task_failed(error) -> bool:
+        record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved",
+                                   None, (type(error), error, None))
+        return all(f.filter(record) for f in logging.getLogger("asyncio").filters)
+
+    full, closed = OSError(errno.ENOSPC, "No space left on device"), RuntimeError("Event loop is closed")
+    bug, other = KeyError("a bug"), RuntimeError("something else")
+    with quiet_orbax_records():
+        thread_dying_of(full)
+        unraisable(closed)
+        assert not asyncio_task_failed(closed) and not asyncio_task_failed(full)  # a stopped save's futures
+        assert reached == []
+        thread_dying_of(bug)
+        unraisable(other)
+        assert asyncio_task_failed(other)
+        assert reached == [bug, other]
+    assert (threading.excepthook, sys.unraisablehook) == hooks and asyncio_task_failed(closed)
+    assert asyncio_task_failed(full)
 
 
 def test_orbax_records_the_run_tells_itself_stay_quiet_while_a_command_that_saves_runs(tmp_path):

@@ -4,6 +4,7 @@ written here in plain Python, exact resumption of a filtered stream, the check t
 import collections
 import io
 import json
+import logging
 import random
 import re
 
@@ -267,6 +268,17 @@ def test_check_reports_what_each_rule_would_drop(tmp_path, capsys):
         assert report["filter_rules_alone"][rule.text] == alone[field]
     printed = capsys.readouterr().out
     assert "filter: punsafe < 0.5 (null punsafe)" in printed and "alone" in printed
+
+
+def test_checks_filter_warning_is_a_line_like_the_commands_own(tmp_path, monkeypatch, capsys):
+    pattern, _ = _write_metadata_shards(tmp_path, num_shards=1, per_shard=4)
+    monkeypatch.setattr(filters, "_warned_fields", set())
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as in a shell: no handler prints it but the command's
+    assert check.main([pattern, "--filter", "aesthetic > 5", "--no-decode"]) == 1  # every sample dropped
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: filter field 'aesthetic' is missing from a sample's metadata; such samples are dropped "
+                   "and counted", "error: no good sample found"], err
+    assert logging.getLogger().handlers == []  # left as found
 
 
 def test_check_refuses_a_bad_expression_with_its_column(tmp_path, capsys):

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 from open_clip_reference import TINY, open_clip_model, state_dict_numpy
-from PIL import Image
+from PIL import Image, ImageFont
 
 from clip_jax.data.transforms import eval_crop, normalize
 from clip_jax.interop import convert, guidance
 from clip_jax.interop.export import export_open_clip
+from clip_jax.interop.guide import LABEL_BAND, step_labels
 from clip_jax.interop.guide import main as guide
 from clip_jax.models import create_model, get_model_config
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
@@ -111,8 +112,15 @@ def test_the_command_raises_the_similarity_and_writes_the_image_and_its_strip(ex
     assert [line.split()[1] for line in printed if line.startswith("step ")] == [f"{k}/6" for k in range(1, 7)]
     assert curve[-1] > curve[0]
     image, strip = Image.open(out), Image.open(tmp_path / "red.strip.png")
-    assert image.size == (64, 64) and strip.size == (3 * 64, 64)  # twice the model's 32 px; 3 frames
-    np.testing.assert_array_equal(np.asarray(strip)[:, -64:], np.asarray(image))  # the last frame is the image
+    assert image.size == (64, 64) and strip.size == (3 * 64, 64 + LABEL_BAND)  # twice the model's 32 px; 3 frames
+    np.testing.assert_array_equal(np.asarray(strip)[:64, -64:], np.asarray(image))  # the last frame is the image
+    # each frame's step below it: ink in each label's place, different labels, a white band elsewhere
+    labels = [np.asarray(strip.convert("L"))[64:, k * 64:(k + 1) * 64] for k in range(3)]
+    assert all((band < 128).sum() > 10 for band in labels)
+    assert not np.array_equal(labels[0], labels[1]) and not np.array_equal(labels[1], labels[2])
+    assert all((band[:, :8] == 255).all() for band in labels)
+    assert step_labels([0, 3, 6], 64, ImageFont.load_default()) == ["step 0", "step 3", "step 6"]
+    assert step_labels([0, 1000], 28, ImageFont.load_default()) == ["0", "1000"]  # a narrow frame: the number
     assert printed[-1].startswith(f"wrote {out} and {tmp_path / 'red.strip.png'}; similarity under the eval")
 
 

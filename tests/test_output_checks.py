@@ -4,6 +4,7 @@ the path, exit status 2, and nothing of the work done (the model not loaded, no 
 
 import json
 import os
+import re
 
 import jax
 import pytest
@@ -127,3 +128,27 @@ def test_a_bucket_that_does_not_exist_is_one_line_before_the_work_and_one_that_d
             assert one_error_line(capsys).startswith("error: bucket s3://no-such-bucket (of s3://no-such-bucket/out")
             with pytest.raises(AssertionError, match="the work began"):
                 command(name, inputs, "s3://outputs/out/x")
+
+
+def test_benchmark_eval_writes_its_record_under_clip_benchmarks_name_and_nothing_beside_it(inputs, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """Without --output the record lands in the working folder under CLIP_benchmark's default name, alone: no
+    manifest beside it. Run again, the same result replaces it; another file of that name is refused, untouched."""
+    write_dataset(tmp_path / "datasets" / "shapes", classification_samples(4),
+                  class_names=["red", "green", "blue", "grey"], templates=["a {c} square."])
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = ["eval", "--dataset", "wds/shapes", "--dataset_root", str(tmp_path / "datasets"),
+            "--pretrained", str(inputs / "exported"), "--batch_size", "4"]
+    assert benchmark_cli.main(argv) == 0
+    (name,) = os.listdir(work)
+    assert re.fullmatch(r"shapes_exported_.+_en_zeroshot_classification\.json", name), name
+    assert json.loads((work / name).read_text())["dataset"] == "wds/shapes"
+    assert benchmark_cli.main(argv) == 0
+    assert os.listdir(work) == [name]
+    (work / name).write_text('{"dataset": "wds/shapes", "model": "another"}\n')
+    assert benchmark_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the result would replace {name}, which") and err.count("\n") == 1, err
+    assert (work / name).read_text() == '{"dataset": "wds/shapes", "model": "another"}\n'

@@ -266,3 +266,51 @@ def test_the_readme_writes_the_benchmark_dataset_at_hand_offline_and_evaluates_t
     assert benchmark_cli.main(evaluate[3:]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^wds/fashion-mnist \(zeroshot_classification, .* s\): acc1 ", out, re.M), out
+    assert sorted(os.listdir(tmp_path)) == ["data", "logs", "results"]  # the record went where --output says
+    (record,) = os.listdir(tmp_path / "results")
+    assert re.fullmatch(r"fashion-mnist_demo_.*_en_zeroshot_classification\.json", record)
+
+
+OUTPUT_FLAGS = ("--output", "--output_folder", "--output-dir", "--feature_root", "--out")
+
+
+def readme_outputs() -> set[str]:
+    """The files and folders the README's commands write in the working folder (their first path component): what
+    follows an output flag, export's OUT_DIR, convert's DST, and the strip guide writes beside its --output."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)
+    written = set()
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # a line of a `python -c '...'` spread over lines: no command of clip_jax's
+            continue
+        if words[:3] in (["python", "-m", "clip_jax.export"], ["python", "-m", "clip_jax.convert"]):
+            written.add(words[4])
+        for flag, value in zip(words, words[1:]):
+            if flag in OUTPUT_FLAGS:
+                written.add(value)
+                if words[2] == "clip_jax.guide":
+                    from clip_jax.interop.guide import strip_path
+
+                    written.add(strip_path(value))
+    return {path.split("/")[0] for path in written if not path.startswith(("/", "s3://", "gs://", "$"))}
+
+
+def test_the_readme_commands_write_in_the_working_folder_only_what_git_ignores():
+    import fnmatch
+
+    with open(os.path.join(REPO, ".gitignore")) as f:
+        patterns = [line.strip().strip("/") for line in f if line.strip() and not line.startswith("#")]
+    written = readme_outputs()
+    assert {"exported", "results", "scores.csv", "sneaker.strip.png"} <= written
+    assert [name for name in sorted(written) if not any(fnmatch.fnmatch(name, p) for p in patterns)] == []
+    assert any(fnmatch.fnmatch(".clip_jax-written", p) for p in patterns)  # the manifest of such a folder
+
+
+def test_the_readmes_benchmark_evaluations_name_their_output():
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)
+    evaluations = [line for line in "\n".join(blocks).replace("\\\n", " ").splitlines()
+                   if "clip_jax.benchmark eval" in line]
+    assert len(evaluations) >= 3 and all("--output " in line for line in evaluations)

@@ -6,9 +6,11 @@ import contextlib
 import functools
 import io
 import json
+import math
 import os
 import re
 
+import numpy as np
 import pytest
 from fake_nvml import fake_nvml
 from PIL import Image
@@ -172,3 +174,30 @@ def test_report_to_accepts_openclip_forms_and_each_names_its_writers(value, targ
     entries = set(run_entries(config)) - {"config.json", "checkpoints", "metrics.jsonl"}
     assert entries == ({"tensorboard"} if "tensorboard" in targets else set()) | (
         {"wandb", "wandb_run_id"} if "wandb" in targets else set())
+
+
+def test_the_learning_rate_panel_draws_the_schedule_of_every_step_not_the_window_means(tmp_path):
+    """Warm-up 50 of 300 steps (3 epochs of 100), logged every 20 steps as window means: the panel draws OpenCLIP's
+    cosine_lr at each of the 120 steps made, its peak at step 50 where the warm-up ends."""
+    lr, warmup, total = 1e-3, 50, 300
+    (tmp_path / "config.json").write_text(json.dumps({"lr": lr, "warmup": warmup, "epochs": 3}))
+
+    def cosine_lr(update):  # OpenCLIP's schedule, in float64
+        if update < warmup:
+            return lr * (update + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (update - warmup) / (total - warmup))) * lr
+
+    records = [{"step": s, "loss": 1.0, "epoch": s / 100,
+                "learning_rate": sum(cosine_lr(u) for u in range(s - 20, s)) / 20} for s in range(20, 121, 20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    series = report_lib.read_metrics(str(tmp_path))
+    panels = dict(report_lib.panel_lines(series, report_lib.schedule_per_step(str(tmp_path), series)))
+    ((name, label, steps, values),) = panels["learning rate"]
+    assert name == "learning_rate" and label == "learning_rate (schedule, per step)"
+    assert list(steps) == list(range(1, 121))
+    np.testing.assert_allclose(values, [cosine_lr(s - 1) for s in steps], rtol=1e-6)
+    assert steps[int(np.argmax(values))] == 50
+    assert max(records, key=lambda r: r["learning_rate"])["step"] > warmup  # where the window means peak
+    (tmp_path / "config.json").unlink()  # a folder that does not say: the logged values
+    assert [line[1] for line in dict(report_lib.panel_lines(series))["learning rate"]] == ["learning_rate"]
+    assert report_lib.schedule_per_step(str(tmp_path), series) is None

@@ -174,6 +174,9 @@ def test_the_planner_runs_the_plan_at_the_speed_predicted_from_the_compiled_prog
     assert [row.seconds for row in step.slowest] == sorted((row.seconds for row in step.slowest), reverse=True)
     text = planner.format_plan(result)
     assert "predicted from the compiled XLA:GPU program" in text and "deviceless profile" in text
+    ratio = speed.mfu_rule_samples_per_s_per_gpu / speed.predicted_samples_per_s  # which of the two speeds to trust
+    assert f"  trust the prediction (the run below takes it): it times this step's own kernels, an MFU of " \
+           f"{speed.mfu / ratio:.1%}; the rule assumes {speed.mfu:.1%} for every model, {ratio:.1f}x too fast" in text
     # The JSON holds the prediction and reads back into the same plan.
     again = planner.Plan.from_dict(__import__("json").loads(planner.plan_json(result)))
     assert again == result

@@ -31,8 +31,7 @@ from PIL import Image
 
 from clip_jax.data import filters, skips, transforms, webdataset
 from clip_jax.data import shards as shards_lib
-from clip_jax.errors import UserError
-from clip_jax.runtime import ownership
+from clip_jax.runtime import entry, ownership
 
 SIDE_BINS = (0, 64, 128, 256, 512, 1024, 2048)  # histogram of the shorter image side
 CHAR_BINS = (0, 10, 20, 50, 100, 200, 500, 1000)
@@ -229,6 +228,7 @@ def run(pattern: str, *, workers: int = 1, max_shards: int | None = None, contex
     return total
 
 
+@entry.command(stopped="before the counts were written", user_error=1)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.data.check", description=__doc__.split("\n")[0])
     parser.add_argument("pattern", nargs="?", help='shard pattern, e.g. "/data/shards/{00000..00099}.tar" (quote it)')
@@ -248,19 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.pattern is None) == (args.parquet is None):
         parser.error("give a shard pattern or --parquet FILE..., not both")
-    try:
-        if args.json:  # before the counting, not after it
-            ownership.claim_file(args.json, writing="the counts", change="give another --json")
-        sample_filter = filters.SampleFilter(args.filter, args.min_image_size, args.min_caption_chars)
-        if args.parquet is not None:
-            return _main_parquet(args.parquet, sample_filter, args.json)
-        fmt = webdataset.SampleFormat.parse(args.image_key, args.caption_key,
-                                            sample_filter if sample_filter.active else None)
-        report = run(args.pattern, workers=args.workers, max_shards=args.max_shards,
-                     context_length=args.context_length, decode=not args.no_decode, fmt=fmt)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.json:  # before the counting, not after it
+        ownership.claim_file(args.json, writing="the counts", change="give another --json")
+    sample_filter = filters.SampleFilter(args.filter, args.min_image_size, args.min_caption_chars)
+    if args.parquet is not None:
+        return _main_parquet(args.parquet, sample_filter, args.json)
+    fmt = webdataset.SampleFormat.parse(args.image_key, args.caption_key,
+                                        sample_filter if sample_filter.active else None)
+    report = run(args.pattern, workers=args.workers, max_shards=args.max_shards,
+                 context_length=args.context_length, decode=not args.no_decode, fmt=fmt)
     print(summary(report, args.context_length))
     if args.json:
         with open(args.json, "w") as f:

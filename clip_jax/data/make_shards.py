@@ -21,8 +21,8 @@ from clip_jax.data import fashion_mnist, write_once
 from clip_jax.data.image_folder import image_folder_samples
 from clip_jax.data.shard_writer import ROWS_PER_SHARD_MAX, Sample, encode_jpeg, shard_pattern, write_shards
 from clip_jax.data.shards import expand_braces
-from clip_jax.errors import InvalidInput, UserError
-from clip_jax.runtime import ownership, stop_signals
+from clip_jax.errors import InvalidInput
+from clip_jax.runtime import entry, ownership, stop_signals
 
 # What the demo's shards take per Fashion-MNIST image (tar members, stats and parquet): 3.84 MB for the first 1,024
 FASHION_MNIST_SHARD_BYTES_PER_IMAGE = 3_750
@@ -131,6 +131,7 @@ def write_missing_shards(pattern: str, source: str, *, root: str | None = None,
                          note=note, should_stop=should_stop)
 
 
+@entry.command(stopped="before the shards were all written", user_error=1)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.data.make_shards", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="source", required=True)
@@ -152,25 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     pq.add_argument("--out", required=True, help="output parquet file")
     args = parser.parse_args(argv)
 
-    try:
-        if args.source == "filter-parquet":
-            from clip_jax.data import filters, parquet_filter
+    if args.source == "filter-parquet":
+        from clip_jax.data import filters, parquet_filter
 
-            report = parquet_filter.write_filtered(args.parquet, filters.SampleFilter(args.filter), args.out)
-            print(f"wrote {report.kept:,} of {report.rows:,} rows to {args.out}")
-            return 0
-        if args.source == "fashion-mnist":
-            splits = ["train", "test"] if args.split == "both" else [args.split]
-            jobs = [(os.path.join(args.out, split) if len(splits) > 1 else args.out,
-                     fashion_mnist_samples(split, args.root, args.image_size, args.limit)) for split in splits]
-        else:
-            jobs = [(args.out, image_folder_samples(args.images, args.captions, args.image_size))]
-        for out_dir, samples in jobs:
-            paths = write_shards(samples, out_dir, args.samples_per_shard, change="give another --out folder")
-            print(f"wrote {len(paths)} shards to {out_dir}: {shard_pattern(paths)}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        report = parquet_filter.write_filtered(args.parquet, filters.SampleFilter(args.filter), args.out)
+        print(f"wrote {report.kept:,} of {report.rows:,} rows to {args.out}")
+        return 0
+    if args.source == "fashion-mnist":
+        splits = ["train", "test"] if args.split == "both" else [args.split]
+        jobs = [(os.path.join(args.out, split) if len(splits) > 1 else args.out,
+                 fashion_mnist_samples(split, args.root, args.image_size, args.limit)) for split in splits]
+    else:
+        jobs = [(args.out, image_folder_samples(args.images, args.captions, args.image_size))]
+    for out_dir, samples in jobs:
+        paths = write_shards(samples, out_dir, args.samples_per_shard, change="give another --out folder")
+        print(f"wrote {len(paths)} shards to {out_dir}: {shard_pattern(paths)}")
     return 0
 
 

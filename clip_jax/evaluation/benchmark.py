@@ -29,7 +29,7 @@ from clip_jax.evaluation.evaluator import EvalSetting, Task, TaskData, register_
 from clip_jax.evaluation.linear_probe import ProbeOptions, ProbeResult, linear_probe
 from clip_jax.evaluation.probe_features import cached_features, weights_key
 from clip_jax.evaluation.retrieval import evaluate_retrieval
-from clip_jax.runtime import ownership
+from clip_jax.runtime import ownership, stop_signals, storage
 from clip_jax.runtime.stop_signals import never
 
 RECORD_FIELDS = ("dataset", "model", "pretrained", "task", "language")
@@ -194,6 +194,42 @@ def write_record_file(record: dict, path: str, *, change: str = "give another --
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
+
+
+def check_result_file(path: str, identity: Mapping[str, str]) -> None:
+    """Before a result is evaluated: `path` can be written, and holds no file or the same result (a record whose
+    `RECORD_FIELDS` are `identity`, the file its CLIP_benchmark name says: evaluated again, it is replaced) or a
+    file the folder's manifest names as clip_jax's. Anything else is refused (`ownership.ForeignFiles`)."""
+    storage.check_output_file(path, what="the result", change="give --output a path you can write to", remote=False)
+    if not os.path.exists(path) or _same_result(path, identity):
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    if name not in ownership.owned_names(folder):
+        raise ownership.ForeignFiles(f"the result would replace {path}, which is not this result's record and "
+                                     "which clip_jax did not write: give another --output")
+
+
+def _same_result(path: str, identity: Mapping[str, str]) -> bool:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "metrics" in record and all(
+        record.get(field) == identity[field] for field in RECORD_FIELDS)
+
+
+def write_result_file(record: dict, path: str) -> None:
+    """Writes the result JSON `path` whole (staged beside it, then renamed), with no manifest beside it: the file
+    is clip_jax's by its name and fields (`check_result_file`), so a working folder gets no other file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    staging = os.path.join(folder, f"{ownership.OWN_PREFIX}-partial-{os.path.basename(path)}.{os.getpid()}")
+    with stop_signals.unfinished(staging):
+        with open(staging, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        os.replace(staging, path)
 
 
 def write_summary(records: Sequence[dict], path: str) -> None:

@@ -29,7 +29,7 @@ import time
 
 import jax
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation.classifier import check_vocabulary
@@ -40,7 +40,7 @@ from clip_jax.evaluation.linear_probe import ProbeOptions
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import storage, xla_gpu
+from clip_jax.runtime import entry, storage
 from clip_jax.runtime.mesh import create_mesh
 
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"
@@ -164,18 +164,25 @@ def run_eval(args) -> list[dict]:
         return []
     if jax.process_index() == 0:  # the process that writes the records: before any dataset is evaluated
         for job in todo:
-            check_output(job[2])
+            benchmark_lib.check_result_file(job[2], identity(args, job, model_name))
     loaded = load_model(args)
     records = []
     for job in todo:
         start = time.perf_counter()
         record = evaluate(args, job, loaded)
         if jax.process_index() == 0:
-            benchmark_lib.write_record_file(record, job[2])
+            benchmark_lib.write_result_file(record, job[2])
             cells = "  ".join(f"{k} {100 * v:.2f}%" for k, v in record["metrics"].items())
             print(f"{record['dataset']} ({record['task']}, {time.perf_counter() - start:.1f} s): {cells} -> {job[2]}")
         records.append(record)
     return records
+
+
+def identity(args, job, model_name: str) -> dict[str, str]:
+    """The fields of CLIP_benchmark's record that name the result `job` writes (`benchmark.RECORD_FIELDS`)."""
+    layout, task = job[0], job[1]
+    return {"dataset": layout.name, "model": model_name, "pretrained": pretrained_slug(args.pretrained),
+            "task": task, "language": args.language}
 
 
 def check_output(path: str) -> None:
@@ -268,16 +275,12 @@ def parse_args(argv=None):
     return args
 
 
+@entry.command(stopped="before the results left were written (those of the datasets done are kept)")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     if getattr(args, "distributed", False):
         jax.distributed.initialize()
-    try:
-        {"eval": run_eval, "build": run_build, "fashion-mnist": run_fashion_mnist}[args.command](args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    {"eval": run_eval, "build": run_build, "fashion-mnist": run_fashion_mnist}[args.command](args)
     return 0
 
 

@@ -26,10 +26,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from clip_jax.data import skips, webdataset
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_reader
 from clip_jax.evaluation.embed_parts import shard_urls
 from clip_jax.evaluation.embed_reader import Sample
+from clip_jax.runtime import entry
 
 PROGRESS_EVERY_S = 10.0
 SCALE = 100.0  # torchmetrics' CLIPScore: 100 x max(cos, 0)
@@ -166,23 +167,16 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+@entry.command(stopped="before the scores were written")
 def main(argv=None) -> int:
-    from clip_jax.runtime import ownership, xla_gpu
+    from clip_jax.runtime import ownership
 
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        ownership.claim_file(args.output, writing="the scores", change="give another --output")  # before the work
-        result = score(args)
-        if not result["rows"]:
-            raise MissingInput(f"--images {args.images}: no pair was scored (skipped: "
-                               f"{', '.join(f'{r} {n}' for r, n in result['skipped'].items()) or 'none'})")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("stopped (Ctrl-C) before the scores were written", file=sys.stderr)
-        return 130
+    ownership.claim_file(args.output, writing="the scores", change="give another --output")  # before the work
+    result = score(args)
+    if not result["rows"]:
+        raise MissingInput(f"--images {args.images}: no pair was scored (skipped: "
+                           f"{', '.join(f'{r} {n}' for r, n in result['skipped'].items()) or 'none'})")
     for image, reason in result["named"]:
         print(f"skipped {image}: {reason}", file=sys.stderr)
     write_rows(args.output, result["rows"])

@@ -29,11 +29,11 @@ import numpy as np
 
 from clip_jax.data import webdataset
 from clip_jax.data.transforms import normalize
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_parts, embed_reader, embed_writer
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
-from clip_jax.runtime import storage
+from clip_jax.runtime import entry, storage
 
 PROGRESS_EVERY_S = 10.0
 
@@ -228,19 +228,15 @@ def _embed_part(encoder, placed, batches, rows, mean, std, args, paths, progress
     progress.add(0, part_done=number)
 
 
+@entry.command(stopped="while embedding: the parts written are kept, and the same command continues")
 def main(argv=None) -> int:
-    from clip_jax.runtime import processes, xla_gpu
+    import jax
+
+    from clip_jax.runtime import processes
 
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        import jax
-
-        processes.initialize_from_environment()
-        summary = run(args, jax.process_index(), jax.process_count())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return processes.leave_run(2)
+    processes.initialize_from_environment()
+    summary = run(args, jax.process_index(), jax.process_count())
     skipped = ", ".join(f"{reason} {count}" for reason, count in summary["skipped"].items()) or "none"
     print(f"embedded {summary['samples']:,} samples into {summary['parts_written']} parts of {summary['parts']} "
           f"({summary['parts_kept']} written before kept) in {args.output_folder}, "

@@ -22,7 +22,7 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.evaluation.embed_parts import KINDS
-from clip_jax.runtime import ownership, storage
+from clip_jax.runtime import ownership, stop_signals, storage
 
 RECORD = ".clip_jax-embed.json"
 _STAGING = ".clip_jax-partial-"
@@ -80,9 +80,11 @@ def _replace(path: str, data: bytes) -> None:
         if left.startswith(f"{_STAGING}{name}."):
             os.remove(os.path.join(folder, left))
     staging = os.path.join(folder, f"{_STAGING}{name}.{os.getpid()}")
-    with open(staging, "wb") as f:
-        f.write(data)
-    os.replace(staging, path)
+    with stop_signals.unfinished(staging):  # removed if the command is stopped before it is in place
+        with open(staging, "wb") as f:
+            f.write(data)
+        stop_signals.reached("write")
+        os.replace(staging, path)
 
 
 def _npy(array: np.ndarray) -> bytes:

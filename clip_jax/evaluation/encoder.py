@@ -28,7 +28,7 @@ from clip_jax.evaluation.batches import pad_rows
 from clip_jax.models.config import is_resnet
 from clip_jax.models.variables import as_variables
 from clip_jax.runtime.mesh import batch_sharding, replicated
-from clip_jax.runtime.stop_signals import cut_short_if, never
+from clip_jax.runtime.stop_signals import cut_short_if, never, reached
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -64,6 +64,11 @@ def _features(model, tower: str, out_sharding: NamedSharding | None, params, row
     return features if out_sharding is None else jax.lax.with_sharding_constraint(features, out_sharding)
 
 
+def _before_batch(should_stop: Callable[[], bool]) -> None:
+    cut_short_if(should_stop)
+    reached("batch")  # a moment the test seam of clip_jax.runtime.stop_signals may name
+
+
 class ShardedEncoder:
     """Image and text features of `model` over `mesh`, for params given at each call (they change as a model
     trains; the compiled towers do not)."""
@@ -87,19 +92,19 @@ class ShardedEncoder:
 
     def image_features(self, params, images: jax.Array, *, should_stop: Callable[[], bool] = never) -> jax.Array:
         """Features [B, E] of images [B, S, S, 3] already on the mesh, left split over it like the images."""
-        cut_short_if(should_stop)
+        _before_batch(should_stop)
         return _features(self.model, "encode_image", None, params, images)
 
     def text_features(self, params, tokens: np.ndarray, *, should_stop: Callable[[], bool] = never) -> jax.Array:
         """Features [B', E], replicated, of host token ids int32 [B, L] (B' is B rounded up to a multiple of the
         mesh size; the extra rows encode padding)."""
-        cut_short_if(should_stop)
+        _before_batch(should_stop)
         return _features(self.model, "encode_text", replicated(self.mesh), params, shard_rows(tokens, self.mesh))
 
     def encode_images(self, params, images: np.ndarray, *, should_stop: Callable[[], bool] = never) -> np.ndarray:
         """Features float32 [B, E] of one host batch of normalised images [B, S, S, 3] that every process holds in
         full."""
-        cut_short_if(should_stop)
+        _before_batch(should_stop)
         features = _features(self.model, "encode_image", replicated(self.mesh), params,
                              shard_rows(images, self.mesh))
         return np.asarray(features)[:len(images)]

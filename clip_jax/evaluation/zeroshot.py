@@ -28,7 +28,7 @@ import numpy as np
 
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import OPENAI_MEAN, OPENAI_STD
-from clip_jax.errors import InvalidInput, UserError
+from clip_jax.errors import InvalidInput
 from clip_jax.evaluation import benchmark as benchmark_lib
 from clip_jax.evaluation import clip_benchmark
 from clip_jax.evaluation import prompts as prompts_lib
@@ -42,7 +42,7 @@ from clip_jax.evaluation.sources import load_retrieval_set
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
-from clip_jax.runtime import ownership, storage, xla_gpu
+from clip_jax.runtime import entry, ownership, stop_signals, storage
 from clip_jax.runtime.mesh import create_mesh
 
 
@@ -286,22 +286,18 @@ def check_outputs(args) -> None:
                                     change="give --output-dir a folder you can write to")
 
 
+@entry.command(stopped="before the results were written")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     if args.distributed:
         jax.distributed.initialize()
-    try:
-        if jax.process_index() == 0:  # before the evaluation, not after it
-            check_outputs(args)
-        report = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if jax.process_index() == 0:  # before the evaluation, not after it
+        check_outputs(args)
+    report = run(args)
     if jax.process_index() == 0:
         print(format_tables(report["results"]))
         if args.output:
-            with open(args.output, "w") as f:
+            with stop_signals.unfinished(args.output), open(args.output, "w") as f:
                 json.dump(report, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))
                 f.write("\n")
     return 0

@@ -26,14 +26,14 @@ import json
 import os
 import sys
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import hf_folder
 from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE,
                                                export_config)
 from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
 from clip_jax.models.config import CLIPConfig
 from clip_jax.models.open_clip_json import open_clip_model_cfg
-from clip_jax.runtime import ownership, storage, xla_gpu
+from clip_jax.runtime import entry, ownership, storage
 from clip_jax.runtime.run_layout import CHECKPOINTS
 
 
@@ -130,6 +130,7 @@ def export(source: str, out_dir: str, *, model=None, step: int | None = None, me
     return opened.config, skipped
 
 
+@entry.command(stopped="before the export was complete")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run directory, its checkpoints/STEP folder, an OpenCLIP checkpoint or "
@@ -143,13 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="write OpenCLIP's files only, not transformers' CLIPModel files")
     args = parser.parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        config, skipped = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean,
-                                 std=args.std, transformers=args.transformers)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config, skipped = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean,
+                             std=args.std, transformers=args.transformers)
     kind = "SiglipModel" if hf_folder.hf_model_type(config) == "siglip" else "CLIPModel"
     also = "" if skipped else f", or transformers.{kind}.from_pretrained('{args.out_dir}')"
     print(f"exported {args.source} ({config.name}, {config.vision.image_size} px) to {args.out_dir}: load it with "

@@ -7,25 +7,45 @@ from noise, or from `--init IMAGE`) is held as logits whose sigmoid are the pixe
 the gradient of its similarity to the prompt: the cosine of the image and text embeddings, averaged over
 `--cutouts` random crops (`clip_jax.interop.guidance`). Each step's similarity is printed; the final image is
 written to `--output`, and a strip of `--frames` images from the first step to the last beside it
-(`FILE.strip.png`). The last line gives the final image's similarity under the plain eval transform (no cutouts).
+(`FILE.strip.png`), each labelled with its step in a band below it. The last line gives the final image's similarity under the plain eval transform (no cutouts).
 """
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import guidance
+from clip_jax.runtime import entry
+
+
+LABEL_BAND = 16  # pixels below the frames that hold their step labels
 
 
 def strip_path(output: str) -> str:
     root, ext = os.path.splitext(output)
     return f"{root}.strip{ext or '.png'}"
+
+
+def step_labels(steps, width: int, font) -> list[str]:
+    """"step N" under each frame, or "N" where that does not fit the frame's `width`."""
+    return [f"step {s}" if font.getlength(f"step {s}") <= width - 2 else str(s) for s in steps]
+
+
+def strip_image(frames: list[np.ndarray], steps: list[int]) -> Image.Image:
+    """The frames side by side (uint8 [S, S, 3] each, left as they are), each step's label centred below it."""
+    size = frames[0].shape[1]
+    strip = Image.new("RGB", (size * len(frames), frames[0].shape[0] + LABEL_BAND), "white")
+    strip.paste(Image.fromarray(np.concatenate(frames, axis=1)), (0, 0))
+    draw, font = ImageDraw.Draw(strip), ImageFont.load_default()
+    for number, label in enumerate(step_labels(steps, size, font)):
+        draw.text((number * size + size / 2, frames[0].shape[0] + LABEL_BAND / 2), label, fill="black", font=font,
+                  anchor="mm")
+    return strip
 
 
 def initial_logits(args, size: int, key) -> jnp.ndarray:
@@ -82,7 +102,7 @@ def run(args) -> dict:
         updates, state = optimizer.update(-grad_logits, state, logits)  # ascent on the similarity
         return optax.apply_updates(logits, updates), state, similarity
 
-    keep = {int(round(k)) for k in np.linspace(0, args.steps, args.frames)}
+    keep = sorted({int(round(k)) for k in np.linspace(0, args.steps, args.frames)})
     frames, curve = [], []
     for number in range(args.steps + 1):
         if number in keep:
@@ -96,7 +116,8 @@ def run(args) -> dict:
     final = to_uint8(jax.nn.sigmoid(logits))
     plain = jax.jit(guidance.similarity(model, variables, text, size=model_size, mean=mean, std=std))(
         final / 255.0, jax.random.key(0))
-    return {"image": final, "frames": frames, "similarity": curve, "final_similarity": float(plain)}
+    return {"image": final, "frames": frames, "frame_steps": keep, "similarity": curve,
+            "final_similarity": float(plain)}
 
 
 def parse_args(argv):
@@ -117,23 +138,16 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+@entry.command(stopped="before the image was written")
 def main(argv=None) -> int:
-    from clip_jax.runtime import ownership, xla_gpu
+    from clip_jax.runtime import ownership
 
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        for path in (args.output, strip_path(args.output)):  # before the work
-            ownership.claim_file(path, writing="the guided image", change="give another --output")
-        result = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("stopped (Ctrl-C) before the image was written", file=sys.stderr)
-        return 130
+    for path in (args.output, strip_path(args.output)):  # before the work
+        ownership.claim_file(path, writing="the guided image", change="give another --output")
+    result = run(args)
     Image.fromarray(result["image"]).save(args.output)
-    Image.fromarray(np.concatenate(result["frames"], axis=1)).save(strip_path(args.output))
+    strip_image(result["frames"], result["frame_steps"]).save(strip_path(args.output))
     print(f"wrote {args.output} and {strip_path(args.output)}; similarity under the eval transform "
           f"{result['final_similarity']:.4f}")
     return 0

@@ -27,13 +27,13 @@ from PIL import Image
 
 from clip_jax.data import fashion_mnist
 from clip_jax.data.transforms import eval_crop, normalize
-from clip_jax.errors import InvalidInput, MissingInput, UserError
+from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import similarity_inputs as inputs
 from clip_jax.interop.inference import eval_transform
 from clip_jax.interop.opener import open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
-from clip_jax.runtime import ownership, xla_gpu
+from clip_jax.runtime import entry, ownership
 from clip_jax.text.model_tokenizer import tokenizer_for
 
 DEFAULT_MODEL = "ViT-B-32"  # without --checkpoint or --model
@@ -189,16 +189,12 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+@entry.command(stopped="before the probabilities were written")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        if args.json:  # before the work, not after it
-            ownership.claim_file(args.json, writing="the probabilities", change="give another --json")
-        report = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.json:  # before the work, not after it
+        ownership.claim_file(args.json, writing="the probabilities", change="give another --json")
+    report = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from clip_jax.errors import InvalidInput, UserError, require_extra
+from clip_jax.errors import InvalidInput, require_extra
 from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten, write_safetensors
 from clip_jax.interop.convert import (_flatten, _refuse_resnet, from_open_clip, to_open_clip, variables_from_open_clip,
                                       variables_to_open_clip)
 from clip_jax.interop.opener import WeightsFile, model_source
 from clip_jax.models.config import is_resnet
 from clip_jax.models.registry import get_model_config
-from clip_jax.runtime import ownership, xla_gpu
+from clip_jax.runtime import entry, ownership
 
 
 def save_params(path: str, params) -> None:
@@ -86,29 +86,25 @@ def write_open_clip(path: str, state_dict: Mapping[str, np.ndarray]) -> None:
         torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in state_dict.items()}, path)
 
 
+@entry.command(stopped="before the weights were written")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="OpenCLIP checkpoint (.pt/.pth/.bin/.safetensors/.npz) or clip_jax params .npz")
     parser.add_argument("dst", help="clip_jax params (.npz), or an OpenCLIP state_dict when SRC is clip_jax params")
     parser.add_argument("--model", required=True, help="model name (e.g. ViT-L-14) or OpenCLIP model-config .json")
     args = parser.parse_args(argv)
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
-    try:
-        source = model_source(args.src)
-        if not isinstance(source, WeightsFile):
-            raise InvalidInput(f"{args.src} is {source.kind}: convert takes a weights file; write a run's or a "
-                               "folder's weights with python -m clip_jax.export")
-        if source.holds_clip_jax():
-            write_open_clip(args.dst, variables_to_open_clip(load_variables(args.src, args.model), args.model))
-            direction = "clip_jax -> OpenCLIP"
-        else:
-            variables = variables_from_open_clip(source.arrays, args.model)
-            # a ViT model's file holds its params alone; a ResNet model's, both collections under their names
-            save_params(args.dst, variables if is_resnet(get_model_config(args.model)) else variables["params"])
-            direction = "OpenCLIP -> clip_jax"
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    source = model_source(args.src)
+    if not isinstance(source, WeightsFile):
+        raise InvalidInput(f"{args.src} is {source.kind}: convert takes a weights file; write a run's or a "
+                           "folder's weights with python -m clip_jax.export")
+    if source.holds_clip_jax():
+        write_open_clip(args.dst, variables_to_open_clip(load_variables(args.src, args.model), args.model))
+        direction = "clip_jax -> OpenCLIP"
+    else:
+        variables = variables_from_open_clip(source.arrays, args.model)
+        # a ViT model's file holds its params alone; a ResNet model's, both collections under their names
+        save_params(args.dst, variables if is_resnet(get_model_config(args.model)) else variables["params"])
+        direction = "OpenCLIP -> clip_jax"
     print(f"{direction}: {args.src} -> {args.dst} ({args.model})")
     return 0
 

@@ -2,7 +2,9 @@
 
 Reads the run's `metrics.jsonl` and writes one PNG (default `RUN_DIR/report.png`) with a panel per quantity over
 steps: loss (train and validation), learning rate, logit scale, zero-shot accuracy, validation recall, throughput
-and MFU. A panel whose quantity the run never logged is left out. Prints a summary table: for each quantity its
+and MFU. A panel whose quantity the run never logged is left out. The learning rate is the run's schedule at every
+step (its warm-up, then the cosine), from its `config.json` and the steps of an epoch its records show; a logged
+value is the mean over a log window, which would put the peak a window after the warm-up ends. Prints a summary table: for each quantity its
 first, last, minimum and maximum value and the step of the last one. RUN_DIR may be a bucket URL (`s3://...`,
 `gs://...`); the default PNG then goes there too. Needs matplotlib (`pip install 'clipjax-train[report]'`).
 """
@@ -15,8 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from clip_jax.errors import InvalidInput, MissingInput, UserError, require_extra
-from clip_jax.runtime import ownership, run_layout, storage
+from clip_jax.errors import InvalidInput, MissingInput, require_extra
+from clip_jax.runtime import entry, ownership, run_layout, storage
 
 # (title, metric names): one panel each; a name ending in "*" stands for every metric with that prefix.
 PANELS = (
@@ -54,6 +56,33 @@ def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {key: sorted(points.items()) for key, points in series.items()}
 
 
+def schedule_per_step(run_dir: str, series: dict) -> list[tuple[int, float]] | None:
+    """(step, learning rate of that step's update) for steps 1 .. the last logged: the warm-up and cosine of
+    `clip_jax.optim.adamw.warmup_cosine_schedule` over the run's `lr`, `warmup` and `epochs` (config.json) and its
+    steps per epoch (a record's step / epoch). None where the run directory lacks either."""
+    path = storage.join(run_dir, run_layout.CONFIG)
+    logged = [(step, epoch) for step, epoch in series.get("epoch", ()) if epoch > 0]
+    if not logged or not storage.isfile(path):
+        return None
+    try:
+        config = json.loads(storage.read_text(path))
+        lr, warmup, epochs = float(config["lr"]), int(config["warmup"]), int(config["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    step, epoch = logged[-1]
+    total_steps = round(step / epoch) * epochs
+    if not 0 <= warmup < total_steps:
+        return None
+    import numpy as np
+
+    from clip_jax.optim.adamw import warmup_cosine_schedule
+
+    last = max(s for points in series.values() for s, _ in points)
+    updates = np.arange(last)  # step s is the update from state step s - 1
+    rates = np.asarray(warmup_cosine_schedule(lr, warmup, total_steps)(updates), np.float64)
+    return [(int(s) + 1, float(rate)) for s, rate in zip(updates, rates)]
+
+
 def panel_series(series: dict, patterns: Sequence[str]) -> list[str]:
     """The metrics of `series` one panel draws: those its names or shell patterns match, in that order."""
     names = [name for pattern in patterns for name in sorted(series) if fnmatch.fnmatchcase(name, pattern)]
@@ -79,32 +108,44 @@ def format_summary(rows) -> str:
     return "\n".join(lines)
 
 
-def write_png(series: dict, output: str, title: str) -> list[str]:
-    """Draws the panels that have data into `output`; returns the metric names drawn."""
+def panel_lines(series: dict, schedule: list[tuple[int, float]] | None = None) -> list[tuple[str, list[tuple]]]:
+    """(title, [(metric name, label, steps, values)]) of each panel that has data; the learning rate's is
+    `schedule` (every step) where given, instead of the logged window means."""
+    panels = []
+    for title, patterns in PANELS:
+        lines = [(name, name, *zip(*series[name])) for name in panel_series(series, patterns)]
+        if title == "learning rate" and lines and schedule:
+            lines = [(lines[0][0], f"{lines[0][0]} (schedule, per step)", *zip(*schedule))]
+        if lines:
+            panels.append((title, lines))
+    return panels
+
+
+def write_png(series: dict, output: str, title: str, schedule: list[tuple[int, float]] | None = None) -> list[str]:
+    """Draws the panels that have data into `output` (`schedule`: see `panel_lines`); returns the metric names
+    drawn."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    panels = [(t, panel_series(series, p)) for t, p in PANELS]
-    panels = [(t, names) for t, names in panels if names]
+    panels = panel_lines(series, schedule)
     if not panels:
         raise InvalidInput(f"nothing to plot yet: {title} has no logged metrics (only events or skipped steps)")
     columns = 2
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)
     drawn = []
-    for ax, (panel_title, names) in zip(axes.flat, panels):
-        for name in names:
-            steps, values = zip(*series[name])
-            ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=name)
+    for ax, (panel_title, lines) in zip(axes.flat, panels):
+        for name, label, steps, values in lines:
+            ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=label)
             drawn.append(name)
         ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if panel_title == "learning rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-        if len(names) > 1:
+        if len(lines) > 1 or lines[0][1] != lines[0][0]:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
@@ -127,20 +168,17 @@ def report(run_dir: str, output: str | None = None) -> tuple[str, str]:
     series = read_metrics(run_dir)
     output = output or storage.join(run_dir, run_layout.REPORT)
     storage.check_output_file(output, what="the report", change="give --output a path you can write to")
-    drawn = write_png(series, output, storage.basename(run_dir))
+    drawn = write_png(series, output, storage.basename(run_dir), schedule_per_step(run_dir, series))
     return output, format_summary(summary_rows(series, drawn))
 
 
+@entry.command(stopped="before the report was written")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clip_jax.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory (LOGS/NAME) holding metrics.jsonl")
     parser.add_argument("--output", help="the PNG to write (default RUN_DIR/report.png)")
     args = parser.parse_args(argv)
-    try:
-        output, table = report(args.run_dir, args.output)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    output, table = report(args.run_dir, args.output)
     print(table)
     print(f"wrote {output}")
     return 0

@@ -5,19 +5,13 @@ import sys
 import jax
 
 from clip_jax import cli
-from clip_jax.errors import InvalidInput, UserError
+from clip_jax.errors import InvalidInput
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
 from clip_jax.plan.report import format_plan, plan_json
 from clip_jax.run_config import default_config
-from clip_jax.runtime import xla_gpu
+from clip_jax.runtime import entry, xla_gpu
 from clip_jax.runtime.hardware import GPUS
-
-
-def usage_error(message: str) -> None:
-    """One line on stderr and exit status 2: the planner's answer to bad input."""
-    print(f"clip_jax.plan: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def choose_compiler(asked: str) -> str:
@@ -32,36 +26,31 @@ def choose_compiler(asked: str) -> str:
     return asked
 
 
+@entry.command(stopped="before the plan was made", run_failed=entry.USAGE_ERROR)  # it runs nothing: bad input
 def main(argv) -> None:
     from absl import flags
 
     FLAGS = flags.FLAGS
     if len(argv) > 1:
-        usage_error(f"unexpected arguments {argv[1:]}")
+        raise InvalidInput(f"unexpected arguments {argv[1:]}")
     if FLAGS.gpu not in GPUS:
-        usage_error(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
+        raise InvalidInput(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
     if not 1 <= FLAGS.gpus <= MAX_SIMULATED_DEVICES:
-        usage_error(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
-    try:
-        compiler = choose_compiler(FLAGS.compiler)
-        if compiler == "gpu":
-            xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
-        elif FLAGS.topology is not None:
-            usage_error("--topology needs the XLA:GPU compiler (--compiler=gpu, with '.[gpu]' installed)")
-    except UserError as e:
-        usage_error(str(e))
+        raise InvalidInput(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
+    compiler = choose_compiler(FLAGS.compiler)
+    if compiler == "gpu":
+        xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
+    elif FLAGS.topology is not None:
+        raise InvalidInput("--topology needs the XLA:GPU compiler (--compiler=gpu, with '.[gpu]' installed)")
     jax.config.update("jax_platforms", "cpu")  # XLA:GPU's compile-only devices need no CUDA backend
     jax.config.update("jax_num_cpu_devices", FLAGS.gpus if compiler == "cpu" else 1)
     say = lambda message: print(message, file=sys.stderr, flush=True)
     say(f"memory from XLA:{compiler.upper()}" + (" (jaxlib's CUDA plugin is not installed)"
                                                    if compiler == "cpu" and FLAGS.compiler == "auto" else ""))
-    try:
-        result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
-                      memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
-                      topology=FLAGS.topology, search_batch=FLAGS.search_batch, xla_flops=FLAGS.xla_flops,
-                      progress=say)
-    except UserError as e:
-        usage_error(str(e))
+    result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
+                  memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
+                  topology=FLAGS.topology, search_batch=FLAGS.search_batch, xla_flops=FLAGS.xla_flops,
+                  progress=say)
     print(plan_json(result) if FLAGS.json else format_plan(result))
 
 

@@ -150,7 +150,20 @@ def _throughput_lines(p: Plan) -> list[str]:
              f"  the MFU rule instead: {rule}: {t.mfu_rule_samples_per_s_per_gpu:.1f} samples/s per GPU"]
     if t.mfu_source == "given (--mfu)":
         lines.append(f"  the run below takes the given MFU's {t.samples_per_s_per_gpu:.1f} samples/s per GPU")
+    else:
+        lines.append("  " + which_to_trust(predicted, t.mfu_rule_samples_per_s_per_gpu, t.mfu))
     return lines
+
+
+def which_to_trust(predicted: float, rule: float, rule_mfu: float) -> str:
+    """The line that says which of the two speeds (samples/s per GPU) to believe: the prediction, which times the
+    step's own kernels, where the rule applies one MFU to every model."""
+    ratio = rule / predicted
+    if 0.8 <= ratio <= 1.25:
+        return f"the two agree within {abs(ratio - 1):.0%}; the run below takes the prediction"
+    return (f"trust the prediction (the run below takes it): it times this step's own kernels, an MFU of "
+            f"{rule_mfu / ratio:.1%}; the rule assumes {rule_mfu:.1%} for every model, {ratio:.1f}x "
+            f"{'too fast' if ratio > 1 else 'too slow'} here")
 
 
 def profile_lines(step: PredictedStep | None) -> list[str]:

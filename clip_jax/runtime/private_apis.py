@@ -1,6 +1,7 @@
 """The internals of other packages that clip_jax relies on, in one place: what their public API does not offer.
 
-- jax: the coordination service's barrier (`wait_at_barrier`), which the ranks of a CPU run meet at once compiled.
+- jax: the coordination service's barrier (`wait_at_barrier`), which the ranks of a CPU run meet at once compiled;
+  its compiler module, on the stack while an XLA program compiles (`jax_compiling`, `at_each_compile`).
 - orbax-checkpoint: the commit-file scheme of checkpoints on a bucket (`orbax_commit_file_path_class`), and its
   TensorStore spec builders, taught `s3://` (`route_orbax_s3`).
 - grain: the shared memory of dropped batches, freed before the process exits
@@ -13,6 +14,7 @@ used). Nothing else happens at import: each function imports its package when ca
 """
 
 import importlib.metadata
+import os
 import re
 from collections.abc import Callable, Mapping
 
@@ -70,6 +72,32 @@ def wait_at_barrier(name: str, timeout_seconds: int) -> None:
 
 
 # -- orbax-checkpoint -----------------------------------------------------------------------------------------
+
+JAX_COMPILER = ("jax", "_src", "compiler.py")  # the module that compiles (and caches) every XLA program
+
+
+def jax_compiling(frame) -> bool:
+    """Whether `frame` (a thread's current frame) runs inside JAX's compiler module: that thread is compiling an
+    XLA program, and holds no Python lock once in the compiler's native code, where it may stay for minutes."""
+    while frame is not None:
+        if tuple(frame.f_code.co_filename.split(os.sep)[-3:]) == JAX_COMPILER:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def at_each_compile(moment: Callable[[], None]) -> None:
+    """Calls `moment()` as each XLA compile begins, inside JAX's compiler module (a test seam's hook)."""
+    from jax._src import compiler
+
+    compile_and_load = compiler.backend_compile_and_load
+
+    def announced(*args, **kwargs):
+        moment()
+        return compile_and_load(*args, **kwargs)
+
+    compiler.backend_compile_and_load = announced
+
 
 def orbax_commit_file_path_class():
     """Orbax's temporary-path class that writes a step in place and marks it complete with a commit file last (no

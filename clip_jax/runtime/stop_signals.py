@@ -27,14 +27,22 @@ handler still gets every signal: one that a thread holds back goes to another th
 restored. Multiprocessing's resource tracker must be running before (`start_resource_tracker`): CPython starts it
 with both signals blocked and then unblocks them in the starting thread, whatever that thread's mask was. A worker
 whose main process is gone (SIGKILL, or a second Ctrl-C that exits at once) exits too.
+
+**Commands** (`clip_jax.runtime.entry`) other than the trainer stop at once instead: SIGINT raises KeyboardInterrupt,
+files half-written (`unfinished`) are removed, and a compile, which holds the main thread in native code where no
+Python handler runs, is ended by a watcher thread (`ctrl_c_ends_compiles`). A test seam makes a command signal itself
+at a named moment (`reached`).
 """
 
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+from clip_jax.runtime import private_apis
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_STOPPED = 128 + signal.SIGINT  # what a shell reports for a command that Ctrl-C ended: 130
@@ -145,3 +153,131 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_SECONDS)
     os._exit(0)
+
+
+# -- files a command is writing -------------------------------------------------------------------------------
+
+_unfinished: set[str] = set()  # local paths being written now, removed if the process is stopped meanwhile
+_unfinished_lock = threading.Lock()
+_ending = threading.Event()  # set once the process ends at once (the entry's watcher): nothing new is begun
+
+
+@contextlib.contextmanager
+def unfinished(path: str) -> Iterator[str]:
+    """`path` (a local file written inside the block, e.g. under a staging name) is removed when the command is
+    stopped before the block ends (`remove_unfinished`), so that a half-written file never remains. Once the
+    process is ending at once, a new file is not begun: the call waits for the end."""
+    with _unfinished_lock:
+        if _ending.is_set():
+            threading.Event().wait()  # os._exit is on its way from the thread that set it
+        _unfinished.add(path)
+    try:
+        yield path
+    except BaseException:  # KeyboardInterrupt among them
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        raise
+    finally:
+        with _unfinished_lock:
+            _unfinished.discard(path)
+
+
+def remove_unfinished(*, ending: bool = False) -> list[str]:
+    """Removes the files being written now (`unfinished`); returns their paths. `ending`: the process ends at once
+    after this (no file is begun meanwhile)."""
+    with _unfinished_lock:
+        if ending:
+            _ending.set()
+        removed = sorted(_unfinished)
+        for path in removed:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        _unfinished.clear()
+    return removed
+
+
+# -- the test seam: a process that signals itself at a named moment -------------------------------------------
+
+TEST_SIGINT_AT = "CLIP_JAX_TEST_SIGINT_AT"  # "MOMENT" or "MOMENT:N" (the Nth time); tests only
+_reached: dict[str, int] = {}
+
+
+def reached(moment: str) -> None:
+    """Marks a moment of a command's work ("start", "batch": an evaluation's next batch about to be encoded,
+    "write": a file written under its staging name, not yet in place). Does nothing, unless the test seam `CLIP_JAX_TEST_SIGINT_AT=MOMENT[:N]` names it: then the
+    process sends itself SIGINT the Nth time (default: the first) it gets there, as a Ctrl-C at that moment would."""
+    wanted, _, nth = os.environ.get(TEST_SIGINT_AT, "").partition(":")
+    if wanted != moment:
+        return
+    _reached[moment] = _reached.get(moment, 0) + 1
+    if _reached[moment] == int(nth or 1):
+        signal.raise_signal(signal.SIGINT)
+
+
+def reset_moments() -> None:
+    """Counts the moments afresh (a command run again in the same process)."""
+    _reached.clear()
+
+
+# -- Ctrl-C in a command, a compile included -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def ctrl_c_ends_compiles(line: str) -> Iterator[None]:
+    """Inside: SIGINT raises KeyboardInterrupt in the main thread, unless the main thread is compiling; then the
+    watcher thread prints `line`, removes the unfinished files and ends the process at once with status 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    watch = _Watch(read_end, line)
+    watcher = threading.Thread(target=watch.run, daemon=True, name="ctrl-c-watcher")
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous_handler = signal.signal(signal.SIGINT, watch.handle)
+    if os.environ.get(TEST_SIGINT_AT, "").startswith("compile"):
+        private_apis.at_each_compile(lambda: reached("compile"))
+    reset_moments()
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_end)  # the watcher reads the end of the pipe and returns
+        watch.handled.set()
+        watcher.join()
+        os.close(read_end)
+
+
+class _Watch:
+    """The two halves of a SIGINT: `handle`, the Python handler (run by the main thread once it runs Python), and
+    `run`, the watcher thread, woken by the interpreter's C-level handler through the wakeup pipe as the signal
+    arrives. A compile on the main thread (JAX's compiler on its stack) is ended by the watcher: at once when it is in
+    native code, where the handler cannot run; after the handler, which leaves it to the watcher, when the signal
+    came in its Python part. Anywhere else the handler raises KeyboardInterrupt and the watcher does nothing."""
+
+    def __init__(self, read_end: int, line: str):
+        self.read_end, self.line = read_end, line
+        self.handled, self.deferred = threading.Event(), False
+
+    def handle(self, signum, frame) -> None:
+        self.deferred = private_apis.jax_compiling(frame)
+        self.handled.set()
+        if not self.deferred:
+            raise KeyboardInterrupt
+
+    def run(self) -> None:
+        while True:
+            received = os.read(self.read_end, 64)
+            if not received:
+                return
+            if signal.SIGINT not in received:
+                continue
+            if not private_apis.jax_compiling(sys._current_frames().get(threading.main_thread().ident)):
+                self.handled.wait()  # the main thread runs Python: its handler decides
+                self.handled.clear()
+                if not self.deferred:
+                    continue
+            remove_unfinished(ending=True)
+            os.write(2, (self.line + "\n").encode())
+            os._exit(EXIT_STOPPED)

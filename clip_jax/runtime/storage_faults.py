@@ -10,13 +10,16 @@ retried by the storage clients (`clip_jax.runtime.storage.retry_attempts`); what
 (an outage) stops the run the same way, naming the bucket's checkpoint folder. Orbax also logs the failure of each
 of its writer threads at error level before the error reaches the run; while a command that saves checkpoints runs
 (`quiet_orbax_records`, entered by `python -m clip_jax.train` and `clip_jax.finetune`), those out-of-space lines are
-left to the one line.
+left to the one line, and so are the traceback of another writer thread that dies of the full disk (TensorBoard's
+event writer) and asyncio's "Event loop is closed" of the save's coroutines left behind when the run stops.
 """
 
 import contextlib
 import errno
 import logging
 import re
+import sys
+import threading
 from collections.abc import Iterator
 
 from clip_jax.errors import RunFailed
@@ -111,15 +114,57 @@ class QuietOutOfSpace(logging.Filter):
 ORBAX_LOGGERS = ("absl", "")  # the loggers Orbax writes through: absl's and the root logger
 
 
+def is_closed_loop_error(error: BaseException | None) -> bool:
+    """asyncio's complaint about work left on an event loop that was closed (a stopped save's coroutines)."""
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+class QuietStoppedSave(logging.Filter):
+    """Drops asyncio's records of what a save stopped by the full disk leaves behind: its futures' out-of-space
+    errors nobody collected ("Future exception was never retrieved"), its tasks on a closed event loop."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not (is_out_of_space(error) or is_closed_loop_error(error))
+
+
+def _quiet_thread_hook(previous):
+    def hook(args):  # a writer thread (TensorBoard's) that died of the full disk: the run tells it in one line
+        if not is_out_of_space(args.exc_value):
+            previous(args)
+    return hook
+
+
+def _quiet_unraisable_hook(previous):
+    def hook(args):  # a coroutine of a stopped save, collected after its loop was closed
+        if not (is_closed_loop_error(args.exc_value) or is_out_of_space(args.exc_value)):
+            previous(args)
+    return hook
+
+
 @contextlib.contextmanager
 def quiet_orbax_records() -> Iterator[None]:
-    """`QuietOutOfSpace` on the loggers Orbax writes through while inside: a command's setting, entered by the
-    command modules whose runs save checkpoints (a process-wide effect, so no constructor installs it)."""
-    quiet = QuietOutOfSpace()
+    """`QuietOutOfSpace` on the loggers Orbax writes through while inside, and what a save stopped by a full disk
+    leaves behind kept quiet (`QuietStoppedSave`, a writer thread's death, an unraisable error): a command's
+    setting, entered by the command modules whose runs save checkpoints (a process-wide effect, so no constructor
+    installs it). Left by an error (the run stops), the latter stay: the stopped save is collected as the process
+    ends."""
+    quiet, stopped_save = QuietOutOfSpace(), QuietStoppedSave()
     for name in ORBAX_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
+    logging.getLogger("asyncio").addFilter(stopped_save)
+    thread_hook, unraisable_hook = threading.excepthook, sys.unraisablehook
+    threading.excepthook = _quiet_thread_hook(thread_hook)
+    sys.unraisablehook = _quiet_unraisable_hook(unraisable_hook)
+    stopped = False
     try:
         yield
+    except BaseException:
+        stopped = True
+        raise
     finally:
         for name in ORBAX_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
+        if not stopped:
+            logging.getLogger("asyncio").removeFilter(stopped_save)
+            threading.excepthook, sys.unraisablehook = thread_hook, unraisable_hook

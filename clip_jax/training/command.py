@@ -9,16 +9,15 @@ import functools
 import logging
 import sys
 
-from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from clip_jax import cli
-from clip_jax.errors import InvalidInput, UserError, exit_status
+from clip_jax.errors import InvalidInput
 from clip_jax.run_config import default_config
-from clip_jax.runtime import storage_faults, xla_gpu
-from clip_jax.runtime.processes import initialize_from_environment, leave_run
-from clip_jax.runtime.stop_signals import EXIT_STOPPED, Stopped, StopSignal
+from clip_jax.runtime import entry, storage_faults
+from clip_jax.runtime.processes import initialize_from_environment
+from clip_jax.runtime.stop_signals import StopSignal
 from clip_jax.training.finetune_config import default_finetune_config
 from clip_jax.training.task import COMMANDS, is_finetune_config
 from clip_jax.training.trainer import train
@@ -36,18 +35,18 @@ def run(task: str, stop: StopSignal | None = None) -> None:
     cli.run(functools.partial(main, task=task, stop=stop))
 
 
+@entry.command(interrupts=False)  # the run takes stop signals itself: it saves, then stops
 def main(argv, *, task: str = "pretraining", stop: StopSignal | None = None) -> int:
     """`stop`: a StopSignal installed before the trainer was imported (clip_jax/train.py); else one from here."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.FIELD=VALUE")
+        raise InvalidInput(f"unexpected arguments {argv[1:]}; settings go in --config.FIELD=VALUE")
     config = _CONFIG.value
     if config is None:
-        raise app.UsageError(f"give a config: --config {EXAMPLES[task]}")
+        raise InvalidInput(f"give a config: --config {EXAMPLES[task]}")
     stop = stop or StopSignal()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
-    xla_gpu.quiet_cuda_plugin()  # no CUDA start-up traceback on a machine without a GPU
     try:
         check_task(config, task)
         # A multi-process run joins before anything touches the devices, and looks at a signal only once joined:
@@ -56,14 +55,6 @@ def main(argv, *, task: str = "pretraining", stop: StopSignal | None = None) -> 
         stop.raise_if_received("while the processes joined" if joined else "while the trainer loaded")
         with storage_faults.quiet_orbax_records():  # the run tells a full disk in one line
             train(config, stop=stop)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return leave_run(exit_status(e))
-    except Stopped as e:
-        print(e, file=sys.stderr, flush=True)
-        return EXIT_STOPPED
-    except Exception as e:  # a bug: its traceback (a rank of several ends at once, not at JAX's exit barrier)
-        return leave_run(1, e)
     finally:
         stop.restore()
     return 0
