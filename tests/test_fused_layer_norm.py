@@ -16,7 +16,8 @@ from clip_jax.models.fused_layer_norm import FUSED_KERNELS, residual_layer_norm,
 from clip_jax.plan.steps import for_xla_cpu
 from clip_jax.run_config import default_config
 from clip_jax.training.config_checks import CHOICES, choice_problems
-from clip_jax.training.step_factory import StepSpec
+from clip_jax.runtime.mesh import create_mesh
+from clip_jax.training.step_factory import StepSpec, build_step
 
 from test_mixed_precision import BF16_ROUNDING, f64, layer_norm_f64
 
@@ -144,3 +145,10 @@ def test_a_training_config_sets_the_switch_and_a_cpu_run_is_told_to_turn_pallas_
         StepSpec.from_config(config, platform="cpu")
     assert StepSpec.from_config(config, platform="gpu").fused_kernels == "pallas"
     assert for_xla_cpu(StepSpec.from_config(config, platform="gpu")).fused_kernels == "off"  # the planner's
+
+
+def test_the_triton_kernels_are_refused_on_a_mesh_of_several_devices(tiny_model_config):
+    # a Triton call has no partitioning rule: XLA would gather every device's rows onto each device for it
+    spec = StepSpec.for_model(tiny_model_config, "bf16", fused_kernels="pallas")
+    with pytest.raises(InvalidInput, match="one device only for now, not a mesh of 2: set --config.fused_kernels=off"):
+        build_step(spec, create_mesh(jax.devices()[:2]))
