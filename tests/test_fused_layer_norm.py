@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models import create_model, layers, param_shapes
@@ -17,7 +19,7 @@ from clip_jax.plan.steps import for_xla_cpu
 from clip_jax.run_config import default_config
 from clip_jax.training.config_checks import CHOICES, choice_problems
 from clip_jax.runtime.mesh import create_mesh
-from clip_jax.training.step_factory import StepSpec, build_step
+from clip_jax.training.step_factory import ClassifierHead, StepSpec, build_step
 
 from test_mixed_precision import BF16_ROUNDING, f64, layer_norm_f64
 
@@ -147,8 +149,21 @@ def test_a_training_config_sets_the_switch_and_a_cpu_run_is_told_to_turn_pallas_
     assert for_xla_cpu(StepSpec.from_config(config, platform="gpu")).fused_kernels == "off"  # the planner's
 
 
-def test_the_triton_kernels_are_refused_on_a_mesh_of_several_devices(tiny_model_config):
-    # a Triton call has no partitioning rule: XLA would gather every device's rows onto each device for it
-    spec = StepSpec.for_model(tiny_model_config, "bf16", fused_kernels="pallas")
-    with pytest.raises(InvalidInput, match="one device only for now, not a mesh of 2: set --config.fused_kernels=off"):
+def test_under_a_mesh_each_device_runs_the_kernels_on_its_own_rows():
+    mesh = create_mesh(jax.devices()[:2])
+    args, cotangents = inputs(jnp.float32, True)  # 32 rows: 16 a device
+    rows, whole = NamedSharding(mesh, P(mesh.axis_names)), NamedSharding(mesh, P())
+    on_devices = lambda arrays: [jax.device_put(a, rows if a.ndim > 1 else whole) for a in arrays]  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the train step traces it
+        program = str(jax.make_jaxpr(lambda *a: fused(*a, jnp.float32))(*args))
+        outputs, gradients = run(fused, on_devices(args), tuple(on_devices(cotangents)), jnp.float32)
+    assert "shard_map" in program
+    expected_outputs, expected_gradients = run(fused, args, cotangents, jnp.float32)
+    for got, expected in zip([*outputs, *gradients], [*expected_outputs, *expected_gradients]):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_classifier_step_on_several_devices_is_told_to_turn_the_kernels_off(tiny_model_config):
+    spec = StepSpec.for_model(tiny_model_config, "bf16", head=ClassifierHead(10), fused_kernels="pallas")
+    with pytest.raises(InvalidInput, match="classifier fine-tuning step runs on one device only, not a mesh of 2"):
         build_step(spec, create_mesh(jax.devices()[:2]))

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
+from jax.sharding import PartitionSpec as P
 
 FUSED_KERNELS = ("off", "pallas", "pallas_interpret")  # a model's `fused_kernels`: off, Triton, the interpreter
 BLOCK_ROWS = 16  # rows per program, at most (a power of two that divides the rows)
@@ -38,9 +39,24 @@ def _block_rows(rows: int) -> int:
     return block
 
 
-def _call(kernel, name: str, rows: int, width: int, inputs, outputs, interpret: bool, partial_sums: int = 0):
-    """`kernel` over blocks of rows: [rows, width] and [rows, 1] arrays split by rows, [width] ones whole;
-    `partial_sums` more float32 outputs of one [width] row per block."""
+def _call(kernel, name: str, inputs, outputs, interpret: bool, partial_sums: int = 0):
+    """`kernel` over blocks of rows of `inputs` ([rows, columns] arrays split by rows, [width] ones whole); `outputs`:
+    the (columns, dtype) of each [rows, columns] result, then `partial_sums` float32 [blocks, width] ones. Under a
+    mesh (`jax.sharding.use_abstract_mesh`, as the train step sets it), each device runs it on its own rows: a Triton
+    call has no partitioning rule, and XLA would gather every device's rows for it."""
+    call = functools.partial(_call_on_rows, kernel, name, outputs=outputs, interpret=interpret,
+                             partial_sums=partial_sums)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return call(*inputs)
+    rows = P(mesh.axis_names)
+    in_specs = tuple(P() if a.ndim == 1 else rows for a in inputs)
+    return jax.shard_map(call, in_specs=in_specs, out_specs=(rows,) * (len(outputs) + partial_sums),
+                         check_vma=False)(*inputs)
+
+
+def _call_on_rows(kernel, name: str, *inputs, outputs, interpret: bool, partial_sums: int):
+    rows, width = inputs[0].shape[0], inputs[-1].shape[0]  # the last input: a [width] parameter
     block = _block_rows(rows)
     grid = rows // block
 
@@ -49,7 +65,7 @@ def _call(kernel, name: str, rows: int, width: int, inputs, outputs, interpret: 
             return pl.BlockSpec((width,), lambda i: (0,))
         return pl.BlockSpec((block, shape[1]), lambda i: (i, 0))
 
-    out_shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outputs]
+    out_shapes = [jax.ShapeDtypeStruct((rows, columns), dtype) for columns, dtype in outputs]
     out_shapes += [jax.ShapeDtypeStruct((grid, width), jnp.float32)] * partial_sums
     out_specs = [spec(s.shape) for s in out_shapes[:len(outputs)]]
     out_specs += [pl.BlockSpec((1, width), lambda i: (i, 0))] * partial_sums
@@ -75,7 +91,7 @@ def _forward_kernel(*refs, has_y: bool, eps: float):
     rstd_ref[...] = rstd
 
 
-def _backward_kernel(s_ref, mean_ref, rstd_ref, scale_ref, d_normed_ref, d_s_ref, d_x_ref, d_scale_ref, d_bias_ref):
+def _backward_kernel(s_ref, mean_ref, rstd_ref, d_normed_ref, d_s_ref, scale_ref, d_x_ref, d_scale_ref, d_bias_ref):
     rstd = rstd_ref[...]  # [R, 1]
     normed = (s_ref[...].astype(jnp.float32) - mean_ref[...]) * rstd  # [R, W], before scale and bias
     g = d_normed_ref[...].astype(jnp.float32)
@@ -91,10 +107,10 @@ def _forward(x, y, scale, bias, eps, out_dtype, interpret):
     width = x.shape[-1]
     rows = x.size // width
     inputs = [x.reshape(rows, width)] + ([] if y is None else [y.reshape(rows, width)]) + [scale, bias]
-    outputs = ([] if y is None else [((rows, width), x.dtype)]) + [((rows, width), jnp.dtype(out_dtype)),
-                                                                    ((rows, 1), jnp.float32), ((rows, 1), jnp.float32)]
+    outputs = ([] if y is None else [(width, x.dtype)]) + [(width, jnp.dtype(out_dtype)), (1, jnp.float32),
+                                                            (1, jnp.float32)]
     kernel = functools.partial(_forward_kernel, has_y=y is not None, eps=eps)
-    results = _call(kernel, "residual_layer_norm", rows, width, inputs, outputs, interpret)
+    results = _call(kernel, "residual_layer_norm", inputs, outputs, interpret)
     s = x if y is None else results[0].reshape(x.shape)
     normed, mean, rstd = results[-3:]
     return s, normed.reshape(x.shape), mean, rstd
@@ -119,9 +135,9 @@ def _residual_layer_norm_backward(eps, out_dtype, interpret, saved, cotangents):
     width = s.shape[-1]
     rows = s.size // width
     flat = lambda a: a.reshape(rows, width)  # noqa: E731
-    inputs = [flat(s), mean, rstd, scale, flat(d_normed), flat(d_s)]
-    d_x, d_scale, d_bias = _call(_backward_kernel, "residual_layer_norm_backward", rows, width, inputs,
-                                 [((rows, width), s.dtype)], interpret, partial_sums=2)
+    inputs = [flat(s), mean, rstd, flat(d_normed), flat(d_s), scale]
+    d_x, d_scale, d_bias = _call(_backward_kernel, "residual_layer_norm_backward", inputs, [(width, s.dtype)],
+                                 interpret, partial_sums=2)
     d_x = d_x.reshape(s.shape)
     d_y = None if y_like is None else d_x.astype(y_like.dtype)
     return d_x, d_y, d_scale.sum(0).astype(scale.dtype), d_bias.sum(0).astype(bias.dtype)
