@@ -1,14 +1,16 @@
 """The step's memory-bound work, change by change: ViT-L/14's bf16 train step compiled for XLA:GPU without a GPU,
 its memory-bound bytes and its samples/s predicted by the step-time model, with each change of issue 54 undone in
-turn (the first row undoes them all: the step as it was).
+turn (the first row undoes them all: the step as it was), and a last row with every change and the Pallas switch on
+(`fused_kernels="pallas"`: the residual adds and LayerNorms as Triton kernels, `clip_jax.models.fused_layer_norm`).
 
-    python benchmarks/memory_bound_step.py [--out DIR] [--cache DIR] [--rows N]
+    python benchmarks/memory_bound_step.py [--out DIR] [--cache DIR] [--rows N] [--settings N] [--no-switch]
 
 Settings: one H200 at 256 with cuDNN attention, `dots_saveable` and no remat; one A100-40GB at 224 with
 `nothing_saveable` (the LAION-2B recipe's). A row's changes are cumulative: row k has the first k changes. A
 change is undone in this process only (a patched function, other compiler options), never in the library.
 Memory-bound bytes: every kernel the reader (`clip_jax.runtime.hlo_kernels`) does not count as a product, fused
-attention or collective, every run counted, read plus written. Predicted samples/s: `clip_jax.plan.step_time` with
+attention or collective, every run counted, read plus written, Pallas kernels (custom calls) at their operand and
+result bytes, also listed on their own. Predicted samples/s: `clip_jax.plan.step_time` with
 `H200_FIT` scaled to each GPU's datasheet. Needs jaxlib's CUDA plugin (`pip install -e '.[gpu]'`); each compile
 takes minutes on two cores (the HLO is cached in --cache, keyed by the row, the setting and the model's source).
 Prints a table and writes DIR/memory_bound_step.json.
@@ -65,6 +67,7 @@ CHANGES = [
     ("GELU' written out (Phi(x) + x phi(x))", without_gelu_written_out),
     ("+ Triton multi-output fusions (adopted flag)", without_adopted_flags),
 ]
+SWITCH_ROW = "+ fused_kernels='pallas' (the switch on)"
 
 
 def undone(row: int) -> contextlib.ExitStack:
@@ -82,28 +85,32 @@ def source_key() -> str:
     return digest.hexdigest()[:12]
 
 
-def compiled_kernels(row: int, gpu_name: str, remat: str, batch: int, cache: pathlib.Path) -> tuple[list, float]:
-    """(kernels, GiB per device) of the step at a setting with the first `row` changes."""
-    path = cache / f"row{row}_{gpu_name}_{remat}_{batch}_{source_key()}.json.gz"
+def compiled_kernels(row: int, fused_kernels: str, gpu_name: str, remat: str, batch: int,
+                     cache: pathlib.Path) -> tuple[list, float]:
+    """(kernels, GiB per device) of the step at a setting with the first `row` changes and `fused_kernels`."""
+    switch = "" if fused_kernels == "off" else f"_{fused_kernels}"
+    path = cache / f"row{row}{switch}_{gpu_name}_{remat}_{batch}_{source_key()}.json.gz"
     if not path.exists():
-        spec = StepSpec.for_model("ViT-L-14", "bf16", remat, attention_impl="cudnn")
+        spec = StepSpec.for_model("ViT-L-14", "bf16", remat, attention_impl="cudnn", fused_kernels=fused_kernels)
         start = time.perf_counter()
         with undone(row):
             compiled = plan.compile_train_step(spec, create_mesh(xla_gpu.devices(get_gpu(gpu_name), 1, 1)), batch)
         gib = plan.StepMemory.of(compiled).total / 2**30
         with gzip.open(path, "wt") as f:
             json.dump({"hlo": compiled.as_text(), "gib": gib}, f)
-        print(f"compiled row {row} {gpu_name} {remat} {batch} in {time.perf_counter() - start:.0f} s",
+        print(f"compiled row {row}{switch} {gpu_name} {remat} {batch} in {time.perf_counter() - start:.0f} s",
               file=sys.stderr, flush=True)
     saved = json.load(gzip.open(path, "rt"))
     return hlo_kernels.kernels(saved["hlo"]), saved["gib"]
 
 
-def measure(row: int, gpu_name: str, remat: str, batch: int, cache: pathlib.Path) -> dict:
-    kernels, gib = compiled_kernels(row, gpu_name, remat, batch, cache)
+def measure(row: int, fused_kernels: str, gpu_name: str, remat: str, batch: int, cache: pathlib.Path) -> dict:
+    kernels, gib = compiled_kernels(row, fused_kernels, gpu_name, remat, batch, cache)
     predicted = step_time.predict(kernels, step_time.KernelRates.of(get_gpu(gpu_name)))
     memory_bound = sum(k.step_bytes for k in kernels if k.kind not in ("gemm", "attention", "collective"))
+    custom_calls = sum(k.step_bytes for k in kernels if k.kind == "custom_call")
     return {"gpu": gpu_name, "remat": remat, "batch": batch, "memory_bound_gb": memory_bound / 1e9,
+            "custom_call_gb": custom_calls / 1e9,
             "samples_per_s": batch / predicted.seconds, "step_ms": predicted.seconds * 1e3, "device_gib": gib,
             "kernel_runs": sum(k.runs for k in kernels), "split_ms": {p: s * 1e3 for p, s in predicted.split.items()}}
 
@@ -112,7 +119,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"))
     parser.add_argument("--cache", default=str(pathlib.Path(__file__).parent / "out" / "memory_bound_hlo"))
-    parser.add_argument("--rows", type=int, default=len(CHANGES) + 1, help="only the first N rows")
+    parser.add_argument("--rows", type=int, default=len(CHANGES) + 1, help="only the first N rows of changes")
+    parser.add_argument("--settings", type=int, default=len(SETTINGS), help="only the first N settings")
+    parser.add_argument("--no-switch", action="store_true", help="without the row with the Pallas switch on")
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     out, cache = pathlib.Path(args.out), pathlib.Path(args.cache)
@@ -120,10 +129,15 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
 
     names = ["today (none of the changes)"] + [name for name, _ in CHANGES]
-    rows = [{"change": names[row], "settings": [measure(row, *setting, cache) for setting in SETTINGS]}
-            for row in range(min(args.rows, len(names)))]
+    settings = SETTINGS[:args.settings]
+    plan_rows = [(names[row], row, "off") for row in range(min(args.rows, len(names)))]
+    if not args.no_switch:
+        plan_rows.append((SWITCH_ROW, len(CHANGES), "pallas"))
+    rows = [{"change": name, "fused_kernels": fused,
+             "settings": [measure(row, fused, *setting, cache) for setting in settings]}
+            for name, row, fused in plan_rows]
 
-    header = "".join(f"{f'{g} {r} {b}':>38}" for g, r, b in SETTINGS)
+    header = "".join(f"{f'{g} {r} {b}':>38}" for g, r, b in settings)
     lines = ["ViT-L/14 bf16, cuDNN attention; per setting: memory-bound GB, predicted samples/s (x the first row),"
              " GiB per device", f"{'change':<48}{header}"]
     for row in rows:
@@ -133,6 +147,10 @@ def main() -> None:
             cells.append(f"{setting['memory_bound_gb']:>9.1f} GB {setting['samples_per_s']:>7.1f}/s "
                          f"({ratio:.3f}x) {setting['device_gib']:>5.1f}")
         lines.append(f"{row['change']:<48}" + "".join(f"{c:>38}" for c in cells))
+    for row in rows:
+        if any(s["custom_call_gb"] for s in row["settings"]):
+            lines.append(f"{'  of which Pallas kernels (custom calls)':<48}"
+                         + "".join(f"{s['custom_call_gb']:>9.1f} GB{'':>27}" for s in row["settings"]))
     table = "\n".join(lines)
     print(table)
     result = {"jax": jax.__version__, "efficiencies": step_time.H200_FIT.fitted_on,

@@ -106,6 +106,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.remat_policy = "nothing_saveable"
     c.fsdp = False  # shard params and optimizer state over the data axis (ZeRO-3)
     c.attention_impl = "auto"  # auto (cuDNN's fused attention on a GPU in bf16, else XLA's) | xla | cudnn
+    # The blocks' residual adds and LayerNorms: off (XLA's fusions) | pallas (Triton kernels, GPU only; not yet timed
+    # on a GPU: models/fused_layer_norm.py) | pallas_interpret (the same kernels through Pallas's slow interpreter)
+    c.fused_kernels = "off"
 
     # Run directory, checkpoints, resumption.
     c.logs = "./logs"

@@ -3,9 +3,9 @@
 from clip_jax.models.clip import (CLIP, count_params, create_model, dummy_inputs, init_params, init_variables,
                                   l2_normalize, param_shapes)
 from clip_jax.models.config import BlockConfig, CLIPConfig, ResNetVisionConfig, TextConfig, VisionConfig, is_resnet
-from clip_jax.models.layers import remat_policy_names
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.models.registry import get_model_config, list_models
+from clip_jax.models.remat import remat_policy_names
 
 __all__ = [
     "BlockConfig", "CLIP", "CLIPConfig", "ResNetVisionConfig", "TextConfig", "VisionConfig", "count_params",

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, is_resnet
 from clip_jax.models import mixed_precision
-from clip_jax.models.layers import ATTENTION_IMPLS, Dense, Dtype, Transformer, resolve_remat_policy, tower_norm
+from clip_jax.models.fused_layer_norm import FUSED_KERNELS
+from clip_jax.models.layers import ATTENTION_IMPLS, Dense, Dtype, Transformer, tower_norm
+from clip_jax.models.remat import resolve_remat_policy
 from clip_jax.models.registry import get_model_config
 from clip_jax.models.resnet import ModifiedResNet
 from clip_jax.models.vit import VisionTransformer
@@ -79,6 +81,7 @@ class CLIP(nn.Module):
     grad_dtype: Dtype | None = None  # parameter gradients computed and summed in this dtype (see `mixed_precision`)
     residual_dtype: Dtype | None = None  # the residual stream's dtype in both towers (None: the compute dtype)
     fp8: bool = False  # both towers' residual blocks' matmuls in FP8 (`mixed_precision.fp8_dense`)
+    fused_kernels: str = "off"  # both towers' residual adds and LayerNorms as Pallas kernels (see `Transformer`)
 
     def setup(self):
         cfg, text = self.config, self.config.text
@@ -87,7 +90,8 @@ class CLIP(nn.Module):
         else:
             self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
                                             self.param_dtype, self.remat_policy, self.attention_impl,
-                                            self.layer_params_hook, self.grad_dtype, self.residual_dtype, self.fp8)
+                                            self.layer_params_hook, self.grad_dtype, self.residual_dtype, self.fp8,
+                                            self.fused_kernels)
         self.token_embedding = TokenEmbedding(text.vocab_size, text.width, self.dtype, self.param_dtype,
                                               self.grad_dtype)
         if text.embed_cls:
@@ -99,7 +103,8 @@ class CLIP(nn.Module):
                                        param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                                        attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                                        block=text.block, grad_dtype=self.grad_dtype,
-                                       residual_dtype=self.residual_dtype, fp8=self.fp8)
+                                       residual_dtype=self.residual_dtype, fp8=self.fp8,
+                                       fused_kernels=self.fused_kernels)
         self.ln_final = tower_norm(text.block, self.dtype, self.param_dtype)
         if text.proj_bias:
             self.text_projection = Dense(cfg.embed_dim, nn.initializers.normal(text.width**-0.5), self.dtype,
@@ -199,7 +204,7 @@ def _block_states(states, after_block: int | None, tower: str, layers: int):
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, remat_policy: str = "none",
                  attention_impl: str | None = None, grad_dtype: Dtype | None = None,
-                 residual_dtype: Dtype | None = None, fp8: bool = False) -> CLIP:
+                 residual_dtype: Dtype | None = None, fp8: bool = False, fused_kernels: str = "off") -> CLIP:
     """A CLIP module for a registered name, an OpenCLIP model-config dict or .json path, or a `CLIPConfig`.
 
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
@@ -210,15 +215,20 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`). `grad_dtype`:
     the dtype parameter gradients are computed and summed over the batch in (`mixed_precision`; None: autodiff's,
     the compute dtype). `residual_dtype`: the residual stream's through the blocks (None: the compute dtype).
-    `fp8`: the residual blocks' four matmuls in FP8 (the `fp8` precision policy).
+    `fp8`: the residual blocks' four matmuls in FP8 (the `fp8` precision policy). `fused_kernels`: "pallas" runs
+    the residual blocks' adds and LayerNorms as Pallas kernels for a GPU (`fused_layer_norm`; off by default until a
+    GPU has timed them), "pallas_interpret" the same kernels through Pallas's interpreter, "off" XLA's fusions.
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
     if attention_impl not in ATTENTION_IMPLS:
         raise InvalidInput(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+    if fused_kernels not in FUSED_KERNELS:
+        raise InvalidInput(f"unknown fused_kernels {fused_kernels!r}; choose one of {FUSED_KERNELS}")
     as_dtype = lambda d: None if d is None else jnp.dtype(d)  # noqa: E731
     return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl,
-                grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype), fp8=fp8)
+                grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype), fp8=fp8,
+                fused_kernels=fused_kernels)
 
 
 def dummy_inputs(config: CLIPConfig, batch_size: int = 1):

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
-from clip_jax.models import mixed_precision
+from clip_jax.models import fused_layer_norm, mixed_precision
 from clip_jax.models.config import BlockConfig
+from clip_jax.models.remat import resolve_remat_policy
 
 LN_EPS = 1e-5  # OpenCLIP's (torch's) LayerNorm epsilon; Flax defaults to 1e-6
 LOGIT_SCALE_MAX = math.log(100.0)  # the clamp of scaled cosine attention's per-head scale (OpenCLIP's ln(1 / 0.01))
@@ -40,28 +41,6 @@ def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | Non
     if asked not in ATTENTION_CHOICES:
         raise InvalidInput(f"attention_impl={asked!r}: choose one of {ATTENTION_CHOICES}")
     return asked
-
-
-def remat_policy_names() -> list[str]:
-    """Names accepted as `remat_policy`: "none" (keep every activation) or a policy of `jax.checkpoint_policies`."""
-    return ["none"] + sorted(
-        name for name, value in vars(jax.checkpoint_policies).items()
-        if not name.startswith("_") and callable(value) and name.endswith("saveable")
-    )
-
-
-def resolve_remat_policy(name: str):
-    """The `jax.checkpoint` policy for a name; None for "none" (no rematerialisation). A policy that saves matmul
-    outputs ("dots_...") also saves those of `mixed_precision.dense`, whose custom VJP hides the matmul from it."""
-    if name == "none":
-        return None
-    if name not in remat_policy_names():
-        raise InvalidInput(f"unknown remat_policy {name!r}; choose one of {remat_policy_names()}")
-    policies = jax.checkpoint_policies
-    policy = getattr(policies, name)
-    if name.startswith("dots"):
-        return policies.save_from_both_policies(policy, policies.save_only_these_names(mixed_precision.MATMUL_OUTPUT))
-    return policy
 
 
 def gelu(x, quick: bool = False, approximate: str = "none"):
@@ -340,6 +319,7 @@ class ResidualBlock(nn.Module):
     grad_dtype: Dtype | None = None
     fp8: bool = False
     emit: bool = False
+    fused_kernels: str = "off"  # see `Transformer`
 
     @nn.compact
     def __call__(self, x, mask):  # x: the residual stream, in its own dtype; each branch adds in it
@@ -347,15 +327,18 @@ class ResidualBlock(nn.Module):
         out_std = self.width**-0.5 * (2 * self.layers) ** -0.5
         opts = self.block
         norm = lambda name: tower_norm(opts, self.dtype, self.param_dtype, name)  # noqa: E731
+        add_norm = fused_layer_norm.residual_norms(self.fused_kernels, opts, self.width, self.dtype,
+                                                   self.param_dtype, norm)
+        x, normed = add_norm("ln_1", x, None)
         y = Attention(self.width, self.heads, self.causal, out_std, self.dtype, self.param_dtype,
-                      self.attention_impl, opts, self.grad_dtype, self.fp8, name="attn")(norm("ln_1")(x), mask)
+                      self.attention_impl, opts, self.grad_dtype, self.fp8, name="attn")(normed, mask)
         if opts.scale_attn:
             y = norm("ln_attn")(y)
         if opts.ls_init_value is not None:
             y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_1")(y)
-        x = x + y.astype(x.dtype)
+        x, normed = add_norm("ln_2", x, y)
         y = MLP(self.width, self.mlp_width, out_std, self.quick_gelu, self.dtype, self.param_dtype, opts,
-                self.grad_dtype, self.fp8, name="mlp")(norm("ln_2")(x))
+                self.grad_dtype, self.fp8, name="mlp")(normed)
         if opts.ls_init_value is not None:
             y = LayerScale(opts.ls_init_value, self.param_dtype, self.grad_dtype, name="ls_2")(y)
         x = x + y.astype(x.dtype)
@@ -391,6 +374,9 @@ class Transformer(nn.Module):
     grad_dtype: Dtype | None = None
     residual_dtype: Dtype | None = None
     fp8: bool = False  # each block's four matmuls in FP8 (`mixed_precision.fp8_dense`)
+    # "pallas": each block's residual adds and LayerNorms as Pallas kernels (`fused_layer_norm`; Triton's, for a GPU),
+    # "pallas_interpret" the same through Pallas's interpreter (tests on a CPU); "off": XLA's fusions
+    fused_kernels: str = "off"
 
     @nn.compact
     def __call__(self, x, mask=None, emit_states: bool = False):  # [B, T, W]
@@ -405,5 +391,5 @@ class Transformer(nn.Module):
         x = x.astype(self.residual_dtype or self.dtype)
         x, states = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu,
                           self.dtype, self.param_dtype, self.attention_impl, self.block, self.grad_dtype, self.fp8,
-                          emit_states, name="resblocks")(x, mask)
+                          emit_states, self.fused_kernels, name="resblocks")(x, mask)
         return (x, states) if emit_states else x

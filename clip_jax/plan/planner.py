@@ -18,7 +18,7 @@ from clip_jax.plan.report import size
 from clip_jax.plan.result import (DataLoading, KernelRow, MemoryPerDevice, ParameterCounts, Plan, PredictedStep, Setup,
                                   StepProgram, Throughput)
 from clip_jax.plan import step_time
-from clip_jax.plan.steps import CompiledSteps, planned_spec
+from clip_jax.plan.steps import CompiledSteps, for_xla_cpu, planned_spec
 from clip_jax.runtime import hlo_kernels, xla_gpu
 from clip_jax.runtime.hardware import MEMORY_FRACTION, get_gpu
 from clip_jax.runtime.mesh import create_mesh
@@ -151,7 +151,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         flops = analytic_only(setup)
     elif compiler == "gpu":
         progress(f"counting FLOPs: XLA:CPU compiles of the step at per-device batch {micro_batch}")
-        cpu_setup = dataclasses.replace(setup, attention_impl="xla")
+        cpu_setup = for_xla_cpu(setup)
         flops = flops_per_sample(cpu_setup, create_mesh(jax.devices("cpu")[:1]), micro_batch)
     else:
         flops = flops_per_sample(setup, mesh, micro_batch, compile_step=lambda s: compiled_step(s, micro_batch))

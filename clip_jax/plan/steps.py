@@ -12,10 +12,15 @@ from clip_jax.training.step_factory import StepSpec, build_step
 
 
 def planned_spec(config, compiler: str = "cpu") -> StepSpec:
-    """The step the trainer would build from `config` on the planned GPUs; where XLA:CPU compiles it, with XLA's
-    attention (XLA:CPU has no cuDNN)."""
+    """The step the trainer would build from `config` on the planned GPUs; where XLA:CPU compiles it, as
+    `for_xla_cpu` makes it."""
     spec = StepSpec.from_config(config, platform="gpu")
-    return spec if compiler == "gpu" else dataclasses.replace(spec, attention_impl="xla")
+    return spec if compiler == "gpu" else for_xla_cpu(spec)
+
+
+def for_xla_cpu(spec: StepSpec) -> StepSpec:
+    """The step with XLA's attention and XLA's LayerNorms, which XLA:CPU compiles (it has no cuDNN and no Triton)."""
+    return dataclasses.replace(spec, attention_impl="xla", fused_kernels="off")
 
 
 def compile_train_step(spec: StepSpec, mesh, per_device_batch: int):

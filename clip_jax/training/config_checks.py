@@ -8,7 +8,9 @@ import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.interop.opener import did_you_mean, path_problems
-from clip_jax.models.layers import ATTENTION_CHOICES, remat_policy_names
+from clip_jax.models.fused_layer_norm import FUSED_KERNELS
+from clip_jax.models.layers import ATTENTION_CHOICES
+from clip_jax.models.remat import remat_policy_names
 from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
@@ -24,7 +26,7 @@ RESUME_DATA = ("exact", "allow_reseed")
 CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), ("resume_data", RESUME_DATA),
            ("opt", OPTIMIZERS), ("loss", tuple(LOSSES)), ("attention_impl", ATTENTION_CHOICES),
            ("grad_reduce_dtype", GRAD_REDUCE_DTYPES), ("residual_dtype", RESIDUAL_DTYPES),
-           ("remat_policy", (*remat_policy_names(), AUTO)))
+           ("remat_policy", (*remat_policy_names(), AUTO)), ("fused_kernels", FUSED_KERNELS))
 
 
 def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:

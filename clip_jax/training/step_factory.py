@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import as_trained
+from clip_jax.models.fused_layer_norm import FUSED_KERNELS
 from clip_jax.models.layers import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
@@ -133,6 +134,9 @@ class StepSpec:
     grad_reduce_dtype: str = "float32"  # gradients summed across devices in this dtype (see models.precision)
     residual_dtype: str = "compute"  # the residual stream's dtype: the compute dtype's, or "float32"
     head: ClassifierHead | None = None  # a classification fine-tuning step; None: CLIP's contrastive step
+    # the residual blocks' adds and LayerNorms: "off" (XLA's fusions) or "pallas" (Pallas kernels for a GPU, not yet
+    # timed on one; models.fused_layer_norm); "pallas_interpret" runs those kernels through Pallas's interpreter
+    fused_kernels: str = "off"
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -144,6 +148,8 @@ class StepSpec:
         if self.attention_impl not in ("xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
                              "(resolve 'auto' with choose_attention_impl)")
+        if self.fused_kernels not in FUSED_KERNELS:
+            raise InvalidInput(f"fused_kernels={self.fused_kernels!r}: choose one of {FUSED_KERNELS}")
         if self.loss not in LOSSES:
             raise InvalidInput(f"loss {self.loss!r}: choose one of {tuple(LOSSES)}")
         if self.accum_steps < 1:
@@ -177,6 +183,9 @@ class StepSpec:
         """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
         "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
+        if config.fused_kernels == "pallas" and platform != "gpu":
+            raise InvalidInput(f"fused_kernels='pallas' compiles Triton kernels for a GPU, not for {platform}: set "
+                               "--config.fused_kernels=off (or pallas_interpret, the same kernels interpreted)")
         optimizer = OptimizerSpec.from_config(config, total_steps)
         force_patch_dropout = config.force_patch_dropout  # -1: the model config's rate
         model = with_run_tokenizer(get_model_config(config.model), config)  # the tokenizer changes no parameter
@@ -188,20 +197,23 @@ class StepSpec:
                              patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
                              else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
                              telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
-                             grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype)
+                             grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype,
+                             fused_kernels=config.fused_kernels)
 
     def create_model(self):
         policy = get_policy(self.precision)
         return create_model(self.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                             remat_policy=self.remat_policy, attention_impl=self.attention_impl,
                             grad_dtype=model_grad_dtype(policy, self.grad_reduce_dtype),
-                            residual_dtype=model_residual_dtype(self.residual_dtype), fp8=policy.fp8)
+                            residual_dtype=model_residual_dtype(self.residual_dtype), fp8=policy.fp8,
+                            fused_kernels=self.fused_kernels)
 
     def describe(self) -> str:
         patch_dropout = self.model.vision.patch_dropout
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
-                + (f", patch dropout {patch_dropout:g}" if patch_dropout else ""))
+                + (f", patch dropout {patch_dropout:g}" if patch_dropout else "")
+                + (f", fused kernels {self.fused_kernels}" if self.fused_kernels != "off" else ""))
 
 
 def _check_resnet_step(spec: StepSpec) -> None:
@@ -340,6 +352,10 @@ def _compile(lowered, mesh: Mesh):
 
 def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     """The model, optimizer, train-state layout and jitted step of `spec` on `mesh`."""
+    if spec.fused_kernels == "pallas" and spec.head is not None and mesh.size > 1:
+        # the classifier's step does not run the kernels per device: XLA would gather every device's rows for them
+        raise InvalidInput(f"fused_kernels='pallas' in a classifier fine-tuning step runs on one device only, not a "
+                           f"mesh of {mesh.size}: set --config.fused_kernels=off")
     model = spec.create_model()
     learning_rate_fn = spec.optimizer.learning_rate_fn()
     if spec.head is not None:

@@ -251,6 +251,15 @@ def accumulated_grads(
     return loss, accuracy, logit_params, grads, new_stats
 
 
+def _traced_under_mesh(step: Callable, mesh: Mesh) -> Callable:
+    """`step` traced with `mesh` as the context's: the Pallas kernels (`models.fused_layer_norm`) run on each
+    device's own rows under `shard_map`, where XLA would gather every device's rows for them."""
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return step(*args)
+    return traced
+
+
 def make_train_step(spec, model, optimizer: optax.GradientTransformation, learning_rate_fn: Callable, mesh: Mesh,
                     shardings: TrainState, *, telemetry: Callable | None = None,
                     freeze: Callable | None = None) -> Callable:
@@ -353,6 +362,8 @@ def make_train_step(spec, model, optimizer: optax.GradientTransformation, learni
             metrics["telemetry"] = telemetry(state.step, grads, updates, opt_state, params)
         return TrainState(params, opt_state, state.step + 1, batch_stats), metrics
 
+    if spec.fused_kernels != "off":
+        step = _traced_under_mesh(step, mesh)
     return jax.jit(
         step,
         in_shardings=(shardings, batch_sharding(mesh)),
