@@ -164,8 +164,7 @@ def test_a_second_run_reads_the_cache_and_a_killed_write_leaves_no_complete_file
 
     monkeypatch.setattr(probe_features.np, "savez", killed)
     root = tmp_path / "killed"
-    with pytest.raises(KeyboardInterrupt):
-        _eval(run[0], fashion, tmp_path, "--task", "linear_probe", "--feature_root", str(root))
+    assert _eval(run[0], fashion, tmp_path, "--task", "linear_probe", "--feature_root", str(root)) == 130  # Ctrl-C
     files = [p.name for p in root.rglob("*") if p.is_file()]
     assert not any(name.endswith(".npz") and not name.startswith(".clip_jax") for name in files), files
 
