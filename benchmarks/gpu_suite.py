@@ -20,7 +20,9 @@ order `--phases` gives:
   "adopted" stands for the XLA:GPU flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_FLAGS) and
   "adopted, each off" for one run per adopted flag with the others on and that one off; a run with `"numerics":
   true` also records the loss and gradient norm of its first steps from the same start, so that a flag's runs on
-  and off compare its numerics. Before the phase runs, the suite prints what it expects it to take (`--estimate`
+  and off compare its numerics; `grad_reduce_dtype`, `residual_dtype` and `fused_kernels` set the StepSpec's
+  fields of those names (a `"fused_kernels": "pallas"` run beside the same run without it times the Pallas kernels
+  and compares their numerics). Before the phase runs, the suite prints what it expects it to take (`--estimate`
   prints only that): each run at the seconds the same run took in earlier leases (benchmarks/results/h200-*.jsonl).
 
 A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
@@ -95,8 +97,9 @@ def measure_clip_jax(spec: dict) -> dict:
     device = jax.local_devices()[0]
     attention = choose_attention_impl(spec["attention"], device.platform, get_policy(spec["precision"]).compute_dtype)
     mesh = create_mesh([device])
-    # a spec may set the precision policy's grad_reduce_dtype / residual_dtype (StepSpec's defaults otherwise)
-    numerics = {k: spec[k] for k in ("grad_reduce_dtype", "residual_dtype") if k in spec}
+    # a spec may set the precision policy's grad_reduce_dtype / residual_dtype and the fused kernels (StepSpec's
+    # defaults otherwise)
+    numerics = {k: spec[k] for k in STEP_OPTIONS if k in spec}
     step = build_step(StepSpec(config, spec["precision"], spec["remat"], attention,
                                optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=100_000), **numerics), mesh)
     state = step.init(0)
@@ -334,6 +337,9 @@ def run_isolated(spec: dict, timeout: float) -> dict:
     return {**spec, "status": "oom" if oom else "failed", "seconds": seconds, "stderr_tail": tail}
 
 
+STEP_OPTIONS = ("grad_reduce_dtype", "residual_dtype", "fused_kernels")  # StepSpec fields a spec may set
+
+
 def adopted_flags() -> dict:
     from clip_jax.runtime.xla_gpu import ADOPTED_FLAGS
 
@@ -386,8 +392,9 @@ def estimate_lines(runs: list[dict], recorded: list[dict]) -> tuple[list[str], f
         seconds = estimated_seconds(spec, recorded)
         total += seconds
         flags = f" xla_flags={spec['xla_flags']}" if spec.get("xla_flags") else ""
+        options = "".join(f" {k}={spec[k]}" for k in STEP_OPTIONS if k in spec)
         lines.append(f"  {seconds:6.0f} s  {spec['framework']} {spec['precision']} remat={spec['remat']} "
-                     f"attn={spec.get('attention', '-')} batch={spec['batch']}{flags}")
+                     f"attn={spec.get('attention', '-')} batch={spec['batch']}{options}{flags}")
     lines.append(f"  {LEASE_START_S + SETUP_S:6.0f} s  the machine's start and the suite's set-up")
     lines.append(f"  {total:6.0f} s  in all ({total / 60:.1f} of the lease's {GPU_TIME_LIMIT_S / 60:.0f} minutes)")
     return lines, total
@@ -447,7 +454,7 @@ def format_table(results: list[dict]) -> str:
         lines.append(f"{r['framework']:<10}{r['precision']:<6}{r['remat']:<18}{r['attention']:<7}{r['batch']:>6}"
                      f"{r['status']:>9}{rate:>11}{mfu:>7}{mfu_measured:>7}{compile_s:>10}{peak:>9}{planned:>9}"
                      + (f"  {r['xla_flags']}" if r.get("xla_flags") else "")
-                     + "".join(f"  {k}={r[k]}" for k in ("grad_reduce_dtype", "residual_dtype") if k in r))
+                     + "".join(f"  {k}={r[k]}" for k in STEP_OPTIONS if k in r))
     lines.append("MFU: model FLOPs (3x forward) over the datasheet's dense peak; "
                  "MFU*: over the matmul peak measured above")
     pairs = [(r, o) for r in results for o in results
