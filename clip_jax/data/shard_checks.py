@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 
 from clip_jax.data import tar_format
+from clip_jax.data.webdataset import open_shard
 from clip_jax.errors import InvalidInput
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -61,12 +62,7 @@ def no_shard_found(source: str, names: Sequence[str], expanded: int) -> str:
 
 def _head(url: str) -> bytes:
     """The first tar block of `url` (fewer bytes when the file is shorter)."""
-    if "://" not in url or url.startswith("file://"):
-        with open(url.removeprefix("file://"), "rb") as f:
-            return f.read(tar_format.BLOCK)
-    import fsspec
-
-    with fsspec.open(url, "rb", block_size=tar_format.BLOCK) as f:
+    with open_shard(url) as f:
         return f.read(tar_format.BLOCK)
 
 

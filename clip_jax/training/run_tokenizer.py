@@ -15,20 +15,22 @@ from clip_jax.runtime.run_directory import RunDirectory
 from clip_jax.runtime.run_layout import TOKENIZER
 
 
-def _named_files(folder: str) -> dict[str, bytes]:
+def _read_files(folder: str, names) -> dict[str, bytes]:
     files = {}
-    for name in tokenizer_file_names(folder):
-        with open(storage.join(folder, name), "rb") as f:
+    for name in names:
+        with storage.open_file(storage.join(folder, name), "rb") as f:
             files[name] = f.read()
     return files
+
+
+def _named_files(folder: str) -> dict[str, bytes]:
+    """The files of the tokenizer in `folder`."""
+    return _read_files(folder, tokenizer_file_names(folder))
 
 
 def _kept_files(kept: str) -> dict[str, bytes]:
-    files = {}
-    for name in storage.listdir(kept):
-        with storage.open_file(storage.join(kept, name), "rb") as f:
-            files[name] = f.read()
-    return files
+    """The files of the run's copy."""
+    return _read_files(kept, storage.listdir(kept))
 
 
 def check_run_tokenizer(directory: RunDirectory, folder: str | None, *, resuming: bool) -> None:
