@@ -126,11 +126,12 @@ needs_cuda_plugin_without_gpu = pytest.mark.skipif(
 def test_a_command_on_a_machine_without_a_gpu_prints_nothing_from_the_cuda_plugin(tmp_path):
     # The trainer counts the devices (JAX starts its backends, the CUDA plugin's check fails) before it checks the
     # config: a bad field then ends the run in a moment, with its own line and nothing else.
-    done = train_cli({"precision": "fp16", "logs": str(tmp_path), "train_data": "/data/{0..1}.tar"},
+    done = train_cli({"precision": "amp", "logs": str(tmp_path), "train_data": "/data/{0..1}.tar"},
                      env=without_gpu_settings())
     assert "Jax plugin configuration error" not in done.stderr and "cuInit" not in done.stderr
     assert done.returncode == 2
-    assert done.stderr == "error: bad config: precision='fp16': choose one of ('fp32', 'bf16', 'pure_bf16', 'fp8')\n"
+    assert done.stderr == ("error: bad config: precision='amp': choose one of ('fp32', 'bf16', 'pure_bf16', 'fp16', "
+                           "'fp8'); did you mean 'fp16'? (OpenCLIP's 'amp' is float16 mixed precision)\n")
 
 
 @pytest.mark.subprocess

@@ -217,8 +217,10 @@ def test_fp8_is_refused_on_a_gpu_without_fp8_matmuls():
 
 
 def test_unknown_policy_is_named_in_the_error():
-    with pytest.raises(ValueError, match="unknown precision policy 'fp16'.*bf16"):
-        get_policy("fp16")
+    with pytest.raises(ValueError, match="unknown precision policy 'fp12'.*bf16"):
+        get_policy("fp12")
+    with pytest.raises(ValueError, match="unknown precision policy 'amp'.*fp16.*did you mean 'fp16'"):
+        get_policy("amp")  # OpenCLIP's name
 
 
 @pytest.fixture(scope="module")

@@ -342,7 +342,7 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"train_data": ""}, "train_data is empty"),
-    ({"precision": "fp16"}, "precision='fp16'"),
+    ({"precision": "amp"}, "precision='amp': choose one of .*; did you mean 'fp16'"),
     ({"batch_size": 6, "accum_freq": 4}, "not divisible by accum_freq=4"),
     ({"resume": "/nonexistent/run"}, "resume='/nonexistent/run' does not exist"),
     ({"resume_data": "fresh"}, "resume_data='fresh': choose one of ('exact', 'allow_reseed')"),

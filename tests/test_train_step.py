@@ -185,7 +185,7 @@ def test_fsdp_on_a_replica_grid_equals_replicated(model, params, random_batch):
 
 
 def test_step_spec_refuses_what_no_step_compiles(tiny_model_config):
-    for fields, message in [({"precision": "fp16"}, "unknown precision policy 'fp16'"),
+    for fields, message in [({"precision": "fp12"}, "unknown precision policy 'fp12'"),
                             ({"attention_impl": "auto"}, "resolve 'auto'"), ({"accum_steps": 0}, "accum_steps"),
                             ({"loss": "sigmoid"}, "loss 'sigmoid'")]:
         with pytest.raises(ValueError, match=message):

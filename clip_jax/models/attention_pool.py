@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from clip_jax.models import mixed_precision
 from clip_jax.models.config import BlockConfig
-from clip_jax.models.layers import MLP, Dense, Dtype, tower_norm
+from clip_jax.models.layers import MLP, Dense, Dtype, tower_norm, xla_attention
 
 
 class AttentionPool(nn.Module):
@@ -36,7 +36,7 @@ class AttentionPool(nn.Module):
         q = dense(width, "q")(mixed_precision.broadcast(probe, (batch, 1, width), self.dtype, self.grad_dtype))
         k, v = jnp.split(dense(2 * width, "kv")(x), 2, axis=-1)  # [B, T, W] each
         heads = lambda t: t.reshape(batch, t.shape[1], self.heads, head_dim)  # noqa: E731
-        pooled = jax.nn.dot_product_attention(heads(q), heads(k), heads(v)).reshape(batch, 1, width)
+        pooled = xla_attention(heads(q), heads(k), heads(v)).reshape(batch, 1, width)
         pooled = dense(width, "out_proj")(pooled)[:, 0]  # [B, W]
         mlp = MLP(width, self.mlp_width, self.mlp_width**-0.5, self.quick_gelu, self.dtype, self.param_dtype,
                   self.block, self.grad_dtype, name="mlp")

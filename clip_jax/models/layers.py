@@ -211,19 +211,32 @@ def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple
     `implementation` asks: the fused cuDNN kernel takes padding and causal masks, not an arbitrary key mask.
     `scale`: the logits' factor (None: 1 / sqrt(head_dim)).
     """
+    kernel = cudnn_attention if implementation == "cudnn" else xla_attention
     if mask is not None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
+        return xla_attention(q, k, v, mask=mask, is_causal=causal, scale=scale)
     if pad_to_multiple is None:
         pad_to_multiple = CUDNN_SEQ_MULTIPLE if implementation == "cudnn" else 1
     batch, length = q.shape[:2]
     padding = -length % pad_to_multiple
     if padding == 0:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=implementation)
+        return kernel(q, k, v, is_causal=causal, scale=scale)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))  # noqa: E731
     lengths = jnp.full((batch,), length, jnp.int32)
-    out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths,
-                                       key_value_seq_lengths=lengths, scale=scale, implementation=implementation)
+    out = kernel(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                 scale=scale)
     return out[:, :length]
+
+
+def xla_attention(q, k, v, **options):
+    """`jax.nn.dot_product_attention` with XLA's kernel (its float16 products widened on a CPU, which has no
+    float16 x float16 -> float32 product: `mixed_precision.float16_widened_on_cpu`)."""
+    return mixed_precision.float16_widened_on_cpu(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **options), q, k, v)
+
+
+def cudnn_attention(q, k, v, **options):
+    """`jax.nn.dot_product_attention` with cuDNN's fused kernel (a GPU's only)."""
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **options)
 
 
 def _unit(x, dtype):

@@ -54,7 +54,8 @@ def _dense_backward(grad_dtype, saved, g):
 def _param_gradients(x, g, kernel_like, bias_like, grad_dtype):
     """The kernel's gradient x^T g from the 16-bit x and g, accumulated in `grad_dtype`, and the bias's."""
     rows = tuple(range(x.ndim - 1))
-    d_kernel = jax.lax.dot_general(x, g, ((rows, rows), ((), ())), preferred_element_type=grad_dtype)
+    d_kernel = float16_widened_on_cpu(
+        lambda x, g: jax.lax.dot_general(x, g, ((rows, rows), ((), ())), preferred_element_type=grad_dtype), x, g)
     d_bias = None if bias_like is None else jnp.sum(g.astype(grad_dtype), rows).astype(bias_like.dtype)
     return d_kernel.astype(kernel_like.dtype), d_bias
 
@@ -165,6 +166,23 @@ def embed(table, ids, dtype, grad_dtype):
     if grad_dtype is None:
         return jnp.take(table.astype(dtype), ids, axis=0)
     return jnp.take(table.astype(jnp.promote_types(table.dtype, grad_dtype)), ids, axis=0).astype(dtype)
+
+
+def float16_widened_on_cpu(fn, *operands):
+    """`fn(*operands)`, except in a program lowered for a CPU with a float16 operand: there the float16 operands are
+    widened to float32 and the results cast back to `fn`'s dtypes. XLA's CPU backend has no float16 x float16 ->
+    float32 product ("F16_F16_F32 is not supported by dot_general"), which a GPU runs on its tensor cores. The choice
+    is made where the program is lowered (`lax.platform_dependent`), so a GPU program planned on a CPU keeps its
+    float16 operands; without a float16 operand `fn` is called as it is."""
+    if not any(jnp.dtype(x.dtype) == jnp.float16 for x in operands):
+        return fn(*operands)
+    result_types = jax.eval_shape(fn, *operands)
+
+    def widened(*operands):
+        results = fn(*(x.astype(jnp.float32) if jnp.dtype(x.dtype) == jnp.float16 else x for x in operands))
+        return jax.tree.map(lambda y, t: y.astype(t.dtype), results, result_types)
+
+    return jax.lax.platform_dependent(*operands, cpu=widened, default=fn)
 
 
 def _like(param):

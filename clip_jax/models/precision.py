@@ -5,6 +5,7 @@
 | `fp32`      | float32                      | float32 (default matmul precision: TF32 on Ampere+) |
 | `bf16`      | float32                      | bfloat16                |
 | `pure_bf16` | bfloat16                     | bfloat16                |
+| `fp16`      | float32                      | float16, under a dynamic loss scale |
 | `fp8`       | float32                      | bfloat16; the residual blocks' matmuls in FP8 (below) |
 
 `fp8` runs each residual block's four matmuls (in_proj, out_proj, c_fc, c_proj) in FP8, each operand scaled by
@@ -43,12 +44,14 @@ class PrecisionPolicy:
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
     fp8: bool = False  # the residual blocks' matmuls in FP8
+    loss_scaling: bool = False  # gradients computed from a dynamically scaled loss (float16's narrow range)
 
 
 POLICIES = {
     "fp32": PrecisionPolicy("fp32", jnp.float32, jnp.float32),
     "bf16": PrecisionPolicy("bf16", jnp.float32, jnp.bfloat16),
     "pure_bf16": PrecisionPolicy("pure_bf16", jnp.bfloat16, jnp.bfloat16),
+    "fp16": PrecisionPolicy("fp16", jnp.float32, jnp.float16, loss_scaling=True),
     "fp8": PrecisionPolicy("fp8", jnp.float32, jnp.bfloat16, fp8=True),
 }
 
@@ -74,9 +77,20 @@ def model_grad_dtype(policy: PrecisionPolicy, grad_reduce_dtype: str):
     return None
 
 
+# OpenCLIP's --precision names that are another name here
+OPEN_CLIP_NAMES = {"amp": "fp16"}
+
+
+def did_you_mean(name: str) -> str:
+    """"; did you mean ..." for OpenCLIP's name of a policy, else ""."""
+    if name not in OPEN_CLIP_NAMES:
+        return ""
+    return f"; did you mean {OPEN_CLIP_NAMES[name]!r}? (OpenCLIP's {name!r} is float16 mixed precision)"
+
+
 def get_policy(name: str) -> PrecisionPolicy:
     if name not in POLICIES:
-        raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}")
+        raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}{did_you_mean(name)}")
     return POLICIES[name]
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import ResNetVisionConfig
-from clip_jax.models.layers import Dtype
+from clip_jax.models.layers import Dtype, xla_attention
 from clip_jax.models.remat import resolve_remat_policy
 
 BN_EPS = 1e-5  # torch's BatchNorm2d defaults
@@ -155,7 +155,7 @@ class AttentionPool2d(nn.Module):
         split = lambda t: t.reshape(batch, t.shape[1], self.heads, head_dim)  # noqa: E731
         q = split(dense(channels, "q_proj")(x[:, :1]))  # [B, 1, heads, head_dim]: only the mean is read out
         k, v = split(dense(channels, "k_proj")(x)), split(dense(channels, "v_proj")(x))
-        out = jax.nn.dot_product_attention(q, k, v, implementation="xla")  # scale 1/sqrt(head_dim), as torch
+        out = xla_attention(q, k, v)  # scale 1/sqrt(head_dim), as torch
         return dense(self.output_dim, "c_proj")(out.reshape(batch, channels))
 
 

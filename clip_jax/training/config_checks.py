@@ -11,14 +11,14 @@ from clip_jax.interop.opener import did_you_mean, path_problems
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
 from clip_jax.models.layers import ATTENTION_CHOICES
 from clip_jax.models.remat import remat_policy_names
-from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES
+from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES, did_you_mean
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
 from clip_jax.training.loss import LOSSES
 from clip_jax.training.remat_choice import AUTO
 from clip_jax.training.step_factory import OPTIMIZERS
 
-PRECISIONS = ("fp32", "bf16", "pure_bf16", "fp8")
+PRECISIONS = ("fp32", "bf16", "pure_bf16", "fp16", "fp8")
 INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
 REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
@@ -31,7 +31,8 @@ CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), (
 
 def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:
     """One line for each (field, names) of `choices` whose value in `c` is not among its names."""
-    return [f"{field}={c[field]!r}: choose one of {names}" for field, names in choices if c[field] not in names]
+    return [f"{field}={c[field]!r}: choose one of {names}" + (did_you_mean(c[field]) if field == "precision" else "")
+            for field, names in choices if c[field] not in names]
 
 
 def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
