@@ -23,7 +23,7 @@ from train_step import compiled_runner, keep_freed_memory_mapped, random_batch, 
 
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import image_tokens, train_flops
-from clip_jax.models.layers import choose_attention_impl
+from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step

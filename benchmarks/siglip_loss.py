@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from train_step import random_batch, time_steps
 
-from clip_jax.models.layers import choose_attention_impl
+from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, make_global_batch, replicated
 from clip_jax.training.loss import LOSSES

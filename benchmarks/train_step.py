@@ -28,7 +28,7 @@ from open_clip_step import make_open_clip_step, open_clip_optimizer
 
 from clip_jax.models import get_model_config
 from clip_jax.models.flops import train_flops
-from clip_jax.models.layers import choose_attention_impl
+from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy
 from clip_jax.runtime.hardware import gpu_for_device_kind
 from clip_jax.runtime.mesh import create_mesh, make_global_batch

@@ -98,9 +98,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Gradients summed across devices in float32 (as OpenCLIP's DDP) | bfloat16 (half the all-reduce bytes, a 16-bit
     # policy's compute dtype; under fp32 they are float32 whatever this says)
     c.grad_reduce_dtype = "float32"
-    # The residual stream between the transformer blocks: in the compute dtype | float32 (as OpenCLIP's autocast
-    # keeps it: more activation memory, see models.precision)
-    c.residual_dtype = "compute"
+    # The residual stream between the transformer blocks: auto (float32 under fp16, else the compute dtype) | compute
+    # (the compute dtype) | float32 (as OpenCLIP's autocast keeps it: more activation memory, see models.precision)
+    c.residual_dtype = "auto"
     c.grad_checkpointing = True  # rematerialise every residual block ...
     # ... under this jax.checkpoint policy; "auto": on GPUs the fastest that fits (training/remat_choice.py)
     c.remat_policy = "nothing_saveable"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clip_jax.models.layers import CUDNN_SEQ_MULTIPLE, attention, choose_attention_impl
+from clip_jax.models.attention import CUDNN_SEQ_MULTIPLE, attention, choose_attention_impl
 
 
 def _qkv(length: int, seed: int = 0):

@@ -10,8 +10,10 @@ import pytest
 
 from clip_jax.models import create_model, init_params, layers
 from clip_jax.models.precision import POLICIES, cast_params, check_fp8, get_policy
+from clip_jax.run_config import default_config
 from clip_jax.runtime.hardware import GPUS
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
@@ -221,6 +223,21 @@ def test_unknown_policy_is_named_in_the_error():
         get_policy("fp12")
     with pytest.raises(ValueError, match="unknown precision policy 'amp'.*fp16.*did you mean 'fp16'"):
         get_policy("amp")  # OpenCLIP's name
+
+
+def test_fp16_keeps_the_residual_stream_in_float32_unless_told_and_refuses_16_bit_gradient_sums(tiny_model_config):
+    def residual(name, **fields):
+        return StepSpec.for_model(tiny_model_config, name, **fields).create_model().residual_dtype
+    assert residual("fp16") == jnp.float32  # "auto": float16 overflows above 65504 where no loss scale helps
+    assert residual("bf16") is residual("fp32") is residual("fp16", residual_dtype="compute") is None
+    assert residual("bf16", residual_dtype="float32") == jnp.float32
+    c = default_config()
+    c.train_data, c.precision, c.grad_reduce_dtype = "/data/{0..1}.tar", "fp16", "bfloat16"
+    with pytest.raises(ValueError, match=r"^bad config: grad_reduce_dtype='bfloat16' under a loss-scaled policy .*"
+                                         r"keep grad_reduce_dtype='float32'$"):
+        check_config(c, num_devices=8)
+    c.precision = "bf16"
+    check_config(c, num_devices=8)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from clip_jax.models import mixed_precision
 from clip_jax.models.config import BlockConfig
-from clip_jax.models.layers import MLP, Dense, Dtype, tower_norm, xla_attention
+from clip_jax.models.attention import xla_attention
+from clip_jax.models.layers import MLP, Dense, Dtype, tower_norm
 
 
 class AttentionPool(nn.Module):

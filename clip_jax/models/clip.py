@@ -11,7 +11,8 @@ from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, is_resnet
 from clip_jax.models import mixed_precision
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
-from clip_jax.models.layers import ATTENTION_IMPLS, Dense, Dtype, Transformer, tower_norm
+from clip_jax.models.attention import ATTENTION_IMPLS
+from clip_jax.models.layers import Dense, Dtype, Transformer, tower_norm
 from clip_jax.models.remat import resolve_remat_policy
 from clip_jax.models.registry import get_model_config
 from clip_jax.models.resnet import ModifiedResNet
@@ -212,7 +213,7 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     every residual block ("none" keeps all activations); `attention_impl` is passed to
     `jax.nn.dot_product_attention` (None lets JAX choose, "cudnn" asks for cuDNN's fused attention on GPU). Every
     tower option keeps the fused kernel but one: a text tower with `embed_cls` masks padding keys, a mask the fused
-    kernel does not take, so its attention runs XLA's whatever is asked (see `layers.attention`). `grad_dtype`:
+    kernel does not take, so its attention runs XLA's whatever is asked (see `attention.attention`). `grad_dtype`:
     the dtype parameter gradients are computed and summed over the batch in (`mixed_precision`; None: autodiff's,
     the compute dtype). `residual_dtype`: the residual stream's through the blocks (None: the compute dtype).
     `fp8`: the residual blocks' four matmuls in FP8 (the `fp8` precision policy). `fused_kernels`: "pallas" runs

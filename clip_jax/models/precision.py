@@ -23,11 +23,13 @@ every policy (as OpenCLIP's DDP sums float32 gradients), "bfloat16" to let a 16-
 dtype (half the bytes of the gradient all-reduce, with an 8-bit mantissa for every partial sum). Under `fp32` they
 are float32 whatever it says.
 
-The residual stream between the transformer blocks is in `residual_dtype`: "compute" (the default: the compute
-dtype) or "float32". OpenCLIP under torch's autocast keeps it in float32 (its embeddings are float32 parameters
-added to the stream, and each block's bf16 branch output is added into it). The default halves the bytes the
-backward keeps at every block boundary and every LayerNorm input, which decides whether ViT-L/14 fits without
-remat (benchmarks/RESULTS.md section 19, with the measured distance of each from the fp32 step).
+The residual stream between the transformer blocks is in `residual_dtype`: "compute" (the compute dtype),
+"float32", or "auto" (the default): float32 under `fp16`, the compute dtype under every other policy. OpenCLIP
+under torch's autocast keeps it in float32 (its embeddings are float32 parameters added to the stream, and each
+block's 16-bit branch output is added into it). The compute dtype halves the bytes the backward keeps at every block
+boundary and every LayerNorm input, which decides whether ViT-L/14 fits without remat (benchmarks/RESULTS.md section
+19, with the measured distance of each from the fp32 step); float16's range (largest value 65504) is why `fp16`
+keeps a float32 stream: a forward that overflows there is not rescued by any loss scale.
 """
 
 import dataclasses
@@ -57,14 +59,16 @@ POLICIES = {
 
 
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
-RESIDUAL_DTYPES = ("compute", "float32")
+RESIDUAL_DTYPES = ("auto", "compute", "float32")
 
 
-def model_residual_dtype(residual_dtype: str):
-    """The model's `residual_dtype` for the config's: None ("compute": the policy's compute dtype) or float32."""
+def model_residual_dtype(policy: PrecisionPolicy, residual_dtype: str):
+    """The model's `residual_dtype` for a policy and the config's: None (the policy's compute dtype) or float32
+    ("float32", or "auto" under float16 compute)."""
     if residual_dtype not in RESIDUAL_DTYPES:
         raise InvalidInput(f"residual_dtype={residual_dtype!r}: choose one of {RESIDUAL_DTYPES}")
-    return None if residual_dtype == "compute" else jnp.dtype(jnp.float32)
+    float16 = jnp.dtype(policy.compute_dtype) == jnp.float16
+    return jnp.dtype(jnp.float32) if residual_dtype == "float32" or (residual_dtype == "auto" and float16) else None
 
 
 def model_grad_dtype(policy: PrecisionPolicy, grad_reduce_dtype: str):
@@ -72,6 +76,9 @@ def model_grad_dtype(policy: PrecisionPolicy, grad_reduce_dtype: str):
     and float32 is asked for, else None (autodiff's gradients, in the compute dtype)."""
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise InvalidInput(f"grad_reduce_dtype={grad_reduce_dtype!r}: choose one of {GRAD_REDUCE_DTYPES}")
+    if grad_reduce_dtype != "float32" and policy.loss_scaling:
+        raise InvalidInput(f"grad_reduce_dtype={grad_reduce_dtype!r} under a loss-scaled policy would sum the scaled "
+                           "gradients in float16's range: keep grad_reduce_dtype='float32'")
     if grad_reduce_dtype == "float32" and jnp.dtype(policy.compute_dtype).itemsize < 4:
         return jnp.dtype(jnp.float32)
     return None
@@ -81,7 +88,7 @@ def model_grad_dtype(policy: PrecisionPolicy, grad_reduce_dtype: str):
 OPEN_CLIP_NAMES = {"amp": "fp16"}
 
 
-def did_you_mean(name: str) -> str:
+def open_clip_hint(name: str) -> str:
     """"; did you mean ..." for OpenCLIP's name of a policy, else ""."""
     if name not in OPEN_CLIP_NAMES:
         return ""
@@ -90,7 +97,7 @@ def did_you_mean(name: str) -> str:
 
 def get_policy(name: str) -> PrecisionPolicy:
     if name not in POLICIES:
-        raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}{did_you_mean(name)}")
+        raise InvalidInput(f"unknown precision policy '{name}'; choose one of {sorted(POLICIES)}{open_clip_hint(name)}")
     return POLICIES[name]
 
 

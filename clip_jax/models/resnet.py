@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import ResNetVisionConfig
-from clip_jax.models.layers import Dtype, xla_attention
+from clip_jax.models.attention import xla_attention
+from clip_jax.models.layers import Dtype
 from clip_jax.models.remat import resolve_remat_policy
 
 BN_EPS = 1e-5  # torch's BatchNorm2d defaults

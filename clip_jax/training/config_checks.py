@@ -8,10 +8,10 @@ import ml_collections
 
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.interop.opener import did_you_mean, path_problems
+from clip_jax.models.attention import ATTENTION_CHOICES
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
-from clip_jax.models.layers import ATTENTION_CHOICES
 from clip_jax.models.remat import remat_policy_names
-from clip_jax.models.precision import GRAD_REDUCE_DTYPES, RESIDUAL_DTYPES, did_you_mean
+from clip_jax.models.precision import GRAD_REDUCE_DTYPES, POLICIES, RESIDUAL_DTYPES, model_grad_dtype, open_clip_hint
 from clip_jax.run_config import default_config
 from clip_jax.runtime import storage
 from clip_jax.training.loss import LOSSES
@@ -31,7 +31,7 @@ CHOICES = (("precision", PRECISIONS), ("on_instability", INSTABILITY_ACTIONS), (
 
 def choice_problems(c: ml_collections.ConfigDict, choices) -> list[str]:
     """One line for each (field, names) of `choices` whose value in `c` is not among its names."""
-    return [f"{field}={c[field]!r}: choose one of {names}" + (did_you_mean(c[field]) if field == "precision" else "")
+    return [f"{field}={c[field]!r}: choose one of {names}" + (open_clip_hint(c[field]) if field == "precision" else "")
             for field, names in choices if c[field] not in names]
 
 
@@ -44,6 +44,11 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     problems.extend(choice_problems(c, CHOICES[:3]))
     problems.extend(report_to_problems(c))
     problems.extend(choice_problems(c, CHOICES[3:]))
+    if c.precision in POLICIES and c.grad_reduce_dtype in GRAD_REDUCE_DTYPES:
+        try:  # a loss-scaled policy sums its gradients in float32
+            model_grad_dtype(POLICIES[c.precision], c.grad_reduce_dtype)
+        except InvalidInput as e:
+            problems.append(str(e))
     for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",
                   "nan_patience"):
         if c[field] < 1:

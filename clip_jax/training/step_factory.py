@@ -31,7 +31,7 @@ from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import as_trained
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
-from clip_jax.models.layers import choose_attention_impl
+from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
 from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
 from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
@@ -132,7 +132,7 @@ class StepSpec:
     # Locked towers (LiT, OpenCLIP's --lock-image / --lock-text): their params get no update and no optimizer state.
     lock: LockSpec = LockSpec()
     grad_reduce_dtype: str = "float32"  # gradients summed across devices in this dtype (see models.precision)
-    residual_dtype: str = "compute"  # the residual stream's dtype: the compute dtype's, or "float32"
+    residual_dtype: str = "auto"  # the residual stream's dtype: "compute", "float32", "auto" (float32 under fp16)
     head: ClassifierHead | None = None  # a classification fine-tuning step; None: CLIP's contrastive step
     # the residual blocks' adds and LayerNorms: "off" (XLA's fusions) or "pallas" (Pallas kernels for a GPU, not yet
     # timed on one; models.fused_layer_norm); "pallas_interpret" runs those kernels through Pallas's interpreter
@@ -144,7 +144,7 @@ class StepSpec:
                                f"{type(self.model).__name__}: build the spec with StepSpec.for_model(name_or_config, "
                                "...)")
         model_grad_dtype(get_policy(self.precision), self.grad_reduce_dtype)  # fails on a bad name
-        model_residual_dtype(self.residual_dtype)
+        model_residual_dtype(get_policy(self.precision), self.residual_dtype)
         if self.attention_impl not in ("xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: a step compiles with 'xla' or 'cudnn' "
                              "(resolve 'auto' with choose_attention_impl)")
@@ -205,7 +205,7 @@ class StepSpec:
         return create_model(self.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                             remat_policy=self.remat_policy, attention_impl=self.attention_impl,
                             grad_dtype=model_grad_dtype(policy, self.grad_reduce_dtype),
-                            residual_dtype=model_residual_dtype(self.residual_dtype), fp8=policy.fp8,
+                            residual_dtype=model_residual_dtype(policy, self.residual_dtype), fp8=policy.fp8,
                             fused_kernels=self.fused_kernels)
 
     def describe(self) -> str:
