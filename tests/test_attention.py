@@ -55,6 +55,8 @@ def test_auto_attention_is_cudnn_on_a_gpu_in_16_bits_and_xla_elsewhere():
     assert choose_attention_impl("auto", "gpu", jnp.bfloat16) == "cudnn"
     assert choose_attention_impl("auto", "gpu", jnp.float16) == "cudnn"
     assert choose_attention_impl("auto", "gpu", jnp.float32) == "xla"  # cuDNN's kernel takes no float32
+    assert choose_attention_impl("auto", "gpu", jnp.float16, (8, 0)) == "cudnn"
+    assert choose_attention_impl("auto", "gpu", jnp.float16, (7, 5)) == "xla"  # a T4: no fused kernel before Ampere
     assert choose_attention_impl("auto", "cpu", jnp.bfloat16) == "xla"
     assert choose_attention_impl("cudnn", "cpu", jnp.float32) == "cudnn"  # what is asked for explicitly, as is
     with pytest.raises(ValueError, match=r"attention_impl='flash': choose one of \('auto', 'xla', 'cudnn'\)"):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from clip_jax.models import create_model, init_params, layers
-from clip_jax.models.precision import POLICIES, cast_params, check_fp8, get_policy
+from clip_jax.models.precision import (POLICIES, bf16_recommendation, cast_params, check_fp8, check_gpu_precision,
+                                       get_policy)
 from clip_jax.run_config import default_config
-from clip_jax.runtime.hardware import GPUS
+from clip_jax.runtime.hardware import GPUS, peak_flops
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
@@ -216,6 +217,18 @@ def test_fp8_is_refused_on_a_gpu_without_fp8_matmuls():
         check_fp8("fp8", GPUS[ok])
     check_fp8("fp8", None)  # a CPU: emulated
     check_fp8("bf16", GPUS["a100-40gb"])
+
+
+def test_fp16_is_for_gpus_without_bfloat16_and_runs_elsewhere_with_a_recommendation():
+    with pytest.raises(ValueError, match=r"precision='bf16' needs bfloat16 matmuls .*a t4 .*--config.precision=fp16"):
+        check_gpu_precision("bf16", GPUS["t4"])
+    check_gpu_precision("fp16", GPUS["t4"])
+    assert bf16_recommendation("fp16", GPUS["t4"]) is bf16_recommendation("fp16", None) is None
+    assert bf16_recommendation("bf16", GPUS["h100"]) is None
+    assert "--config.precision=bf16 is recommended" in bf16_recommendation("fp16", GPUS["h100"])
+    # MFU under fp16 counts against the float16 tensor-core peak (a V100's 125 TFLOP/s, an H100's bf16 one)
+    assert peak_flops("Tesla V100-SXM2-32GB", "fp16") == 125e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp16") == peak_flops("NVIDIA H100 80GB HBM3", "bf16")
 
 
 def test_unknown_policy_is_named_in_the_error():

@@ -378,3 +378,27 @@ def test_the_planner_plans_with_the_memory_fraction_the_launcher_sets():
     env_sh = open(os.path.join(REPO, "launch/env.sh")).read()
     fraction = re.search(r'XLA_PYTHON_CLIENT_MEM_FRACTION="\$\{XLA_PYTHON_CLIENT_MEM_FRACTION:-([\d.]+)\}"', env_sh)
     assert float(fraction[1]) == planner.DEFAULT_MEMORY_FRACTION
+
+
+@pytest.mark.gpu_compile
+def test_fp16_is_planned_for_a_t4_with_xlas_attention_float16_products_and_its_fp16_peak(tmp_path):
+    model_file = tmp_path / "tiny.json"
+    model_file.write_text(__import__("json").dumps(TINY))
+    config = default_config()
+    config.update(model=str(model_file), batch_size=4, precision="fp16", train_num_samples=1000, epochs=1, workers=1)
+    compiles = []
+    with mock.patch.object(jax.stages.Lowered, "compile", recording(compiles)):
+        result = planner.plan(config, "t4", 2, compiler="gpu", topology="1x2", search_batch=False, xla_flops=False)
+    assert result.setup.attention == "xla"  # auto: cuDNN's fused attention needs compute capability 8.0
+    assert result.throughput.peak_tflops == 65 and result.throughput.predicted_samples_per_s > 0
+    hlo = compiles[-1][2].as_text()
+    # the program planned for a GPU keeps float16 products (a CPU program would widen them): cuBLAS's, to float16
+    float16_gemms = [line for line in hlo.splitlines()
+                     if '"__cublas$' in line and re.search(r"= \(f16\[[\d,]+\]\{[\d,]*\}, s8\[", line)]
+    assert len(float16_gemms) >= 10, "the T4 program runs too few float16 products"
+    for precision, gpu, said in (("bf16", "t4", "precision='bf16' needs bfloat16 matmuls .* a t4 .* "
+                                  "--config.precision=fp16"),
+                                 ("fp16", "v100", "planning for a v100 .* CUDA 12's")):
+        config.precision = precision
+        with pytest.raises(ValueError, match=said):
+            planner.plan(config, gpu, 2, compiler="gpu", topology="1x2", search_batch=False, xla_flops=False)

@@ -14,14 +14,21 @@ ATTENTION_CHOICES = ("auto", "xla", "cudnn")  # a training config's attention_im
 CUDNN_SEQ_MULTIPLE = 8
 
 
-def choose_attention_impl(asked: str, platform: str, compute_dtype) -> str | None:
-    """The kernel for the config's `attention_impl` ("auto", "xla" or "cudnn") on a `platform` ("gpu", "cpu"):
-    "auto" is cuDNN's fused attention on a GPU with 16-bit compute (the faster kernel for ViT-L/14 on an H200, and
-    the one that fits without remat: benchmarks/RESULTS.md section 8), XLA's elsewhere (cuDNN takes no float32, and
-    no other platform has it)."""
+# cuDNN's fused attention runs on GPUs of this compute capability and later (Ampere on)
+CUDNN_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def choose_attention_impl(asked: str, platform: str, compute_dtype,
+                          compute_capability: tuple[int, int] | None = None) -> str | None:
+    """The kernel for the config's `attention_impl` ("auto", "xla" or "cudnn") on a `platform` ("gpu", "cpu") of
+    `compute_capability` (None: unknown, taken as recent): "auto" is cuDNN's fused attention on a GPU of compute
+    capability 8.0 or later with 16-bit compute (the faster kernel for ViT-L/14 on an H200, and the one that fits
+    without remat: benchmarks/RESULTS.md section 8), XLA's elsewhere (cuDNN's takes no float32, runs on no earlier
+    GPU (T4, V100), and no other platform has it)."""
     if asked == "auto":
         sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
+        recent = compute_capability is None or tuple(compute_capability) >= CUDNN_MIN_COMPUTE_CAPABILITY
+        return "cudnn" if platform == "gpu" and sixteen_bit and recent else "xla"
     if asked not in ATTENTION_CHOICES:
         raise InvalidInput(f"attention_impl={asked!r}: choose one of {ATTENTION_CHOICES}")
     return asked

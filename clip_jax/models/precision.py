@@ -109,6 +109,24 @@ def check_fp8(precision: str, gpu) -> None:
                            f"...), which a {gpu.name} does not have: use --config.precision=bf16")
 
 
+def check_gpu_precision(precision: str, gpu) -> None:
+    """Refuses a policy a GPU (`runtime.hardware.GPU`) cannot run: FP8 matmuls (`check_fp8`), or bfloat16 ones on a
+    GPU before Ampere (T4, V100), whose mixed precision is `fp16`. None (a CPU, or a GPU of unknown kind) passes."""
+    check_fp8(precision, gpu)
+    if gpu is not None and not gpu.has_bf16 and jnp.dtype(get_policy(precision).compute_dtype) == jnp.bfloat16:
+        raise InvalidInput(f"precision={precision!r} needs bfloat16 matmuls (compute capability 8.0 or later), which "
+                           f"a {gpu.name} does not have: use --config.precision=fp16 (float16 with a loss scale)")
+
+
+def bf16_recommendation(precision: str, gpu) -> str | None:
+    """The line a run under a loss-scaled policy on a GPU with bfloat16 logs (else None): bf16 has float32's range,
+    so it needs no loss scale and skips no step."""
+    if gpu is None or not gpu.has_bf16 or not get_policy(precision).loss_scaling:
+        return None
+    return (f"precision={precision!r} on a {gpu.name}, which has bfloat16: --config.precision=bf16 is recommended "
+            "(float32's range: no loss scale to find, no step skipped on overflow)")
+
+
 def cast_params(params, policy: PrecisionPolicy):
     """Floating-point leaves cast to the policy's parameter dtype; other leaves untouched."""
 

@@ -68,6 +68,8 @@ def gpu_table(precision: str, model_train_flops: float, mfu: float | None, memor
     """Every known GPU: peaks, memory, speed at the MFU rule, largest batch (compiled for one, else the fit), days."""
     rows = []
     for gpu in GPUS.values():
+        if not gpu.peak_tflops(precision):  # no such matmuls: bfloat16 before Ampere
+            continue
         gpu_mfu = mfu if mfu is not None else default_mfu(gpu, precision)[0]
         rate = samples_per_s_per_gpu(gpu_mfu, gpu, precision, model_train_flops)
         budget = int(gpu.memory_bytes * memory_fraction)

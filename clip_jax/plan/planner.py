@@ -9,7 +9,7 @@ import jax
 from clip_jax.errors import InvalidInput, UserError
 from clip_jax.models import create_model, param_shapes
 from clip_jax.models.flops import forward_flops
-from clip_jax.models.precision import check_fp8
+from clip_jax.models.precision import check_gpu_precision
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S, default_mfu, gpu_table, run_length, samples_per_s_per_gpu
 from clip_jax.plan.flops import analytic_only, flops_per_sample
 from clip_jax.plan.memory import (BatchDoesNotFit, StepMemory, affine_fit, batch_bytes_per_device,
@@ -69,7 +69,10 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     (a check of it; the speed and cost use the analytic count either way).
     """
     gpu = get_gpu(gpu_name)
-    check_fp8(config.precision, gpu)
+    if gpu.target is None:
+        raise InvalidInput(f"planning for a {gpu.name} is not possible: the planner compiles with CUDA 13's jaxlib, "
+                           "which has no Volta GPU (a V100 run needs CUDA 12's: pip install 'jax[cuda12]')")
+    check_gpu_precision(config.precision, gpu)
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
     if compiler not in ("cpu", "gpu"):
         raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")
@@ -84,7 +87,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     if len(devices) != num_gpus:
         raise InvalidInput(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
                            "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
-    setup = planned_spec(config, compiler)
+    setup = planned_spec(config, compiler, gpu)
     batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
         raise InvalidInput(f"batch_size={batch_size} (per device) must be a positive multiple of "

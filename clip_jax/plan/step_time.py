@@ -68,10 +68,11 @@ class KernelRates:
     def of(cls, gpu: GPU, efficiencies: Efficiencies = H200_FIT) -> "KernelRates":
         if gpu.target is None:
             raise ValueError(f"no memory bandwidth is known for {gpu.name}: it has no XLA:GPU target")
-        bf16 = gpu.bf16_tflops * 1e12 * efficiencies.gemm_16bit
-        return cls(gemm_flops={"bf16": bf16, "f16": bf16, "f8": FP8_OVER_BF16 * bf16,
+        bf16, f16 = (tflops * 1e12 * efficiencies.gemm_16bit for tflops in (gpu.bf16_tflops, gpu.peak_tflops("fp16")))
+        return cls(gemm_flops={"bf16": bf16, "f16": f16, "f8": FP8_OVER_BF16 * bf16,
                                "f32": gpu.tf32_tflops * 1e12 * efficiencies.gemm_tf32},
-                   attention_flops=gpu.bf16_tflops * 1e12 * efficiencies.attention,
+                   # 16-bit attention: float16's peak where a GPU has no bfloat16 (before Ampere)
+                   attention_flops=(gpu.bf16_tflops or gpu.peak_tflops("fp16")) * 1e12 * efficiencies.attention,
                    memory_bytes=gpu.target.memory_bandwidth * efficiencies.memory,
                    launch_s=efficiencies.launch_us * 1e-6, link_bytes=gpu.link_bytes_per_s,
                    inter_node_bytes=INTER_NODE_BYTES_PER_S,

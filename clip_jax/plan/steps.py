@@ -11,10 +11,12 @@ from typing import Any
 from clip_jax.training.step_factory import StepSpec, build_step
 
 
-def planned_spec(config, compiler: str = "cpu") -> StepSpec:
-    """The step the trainer would build from `config` on the planned GPUs; where XLA:CPU compiles it, as
-    `for_xla_cpu` makes it."""
-    spec = StepSpec.from_config(config, platform="gpu")
+def planned_spec(config, compiler: str = "cpu", gpu=None) -> StepSpec:
+    """The step the trainer would build from `config` on the planned GPUs (`runtime.hardware.GPU`, None: recent
+    ones); where XLA:CPU compiles it, as `for_xla_cpu` makes it."""
+    target = gpu.target if gpu is not None else None
+    spec = StepSpec.from_config(config, platform="gpu",
+                                compute_capability=target.compute_capability if target else None)
     return spec if compiler == "gpu" else for_xla_cpu(spec)
 
 

@@ -26,6 +26,7 @@ class ComputeCapabilityLimits:
 
 
 LIMITS = {  # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"
+    (7, 5): ComputeCapabilityLimits(65536, 65536, 1024, 64),
     (8, 0): ComputeCapabilityLimits(167936, 166912, 2048, 64),
     (8, 9): ComputeCapabilityLimits(102400, 101376, 1536, 128),
     (9, 0): ComputeCapabilityLimits(233472, 232448, 2048, 128),
@@ -76,11 +77,12 @@ _DATASHEET = ("CUDA limits for compute capability {}; multiprocessors, boost clo
 class GPU:
     name: str
     memory_mib: int  # total memory as nvidia-smi reports it
-    bf16_tflops: float  # dense BF16 tensor-core peak
-    tf32_tflops: float  # dense TF32 tensor-core peak (what fp32 matmuls run at by default)
+    bf16_tflops: float  # dense BF16 tensor-core peak (0: no bfloat16 tensor cores, before Ampere)
+    tf32_tflops: float  # dense TF32 tensor-core peak (what fp32 matmuls run at by default; before Ampere, FP32's)
     kind_patterns: tuple[str, ...]  # substrings of jax's device_kind that identify it
     target: GpuTarget | None = None  # for deviceless XLA:GPU compiles
     link_bytes_per_s: float = 32e9  # to another GPU of its node, one direction: NVLink, else PCIe 4.0 x16 (datasheets)
+    fp16_tflops: float | None = None  # dense FP16 tensor-core peak, where it is not the BF16 one
 
     @property
     def memory_bytes(self) -> int:
@@ -95,9 +97,18 @@ class GPU:
         """FP8 tensor-core matmuls: compute capability 8.9 (Ada) and later."""
         return self.target is not None and self.target.compute_capability >= (8, 9)
 
+    @property
+    def has_bf16(self) -> bool:
+        """bfloat16 tensor-core matmuls: compute capability 8.0 (Ampere) and later."""
+        return self.bf16_tflops > 0
+
     def peak_tflops(self, precision: str) -> float:
         # fp8's MFU counts against the bf16 peak, so that it compares with bf16's
-        return self.tf32_tflops if precision == "fp32" else self.bf16_tflops
+        if precision == "fp32":
+            return self.tf32_tflops
+        if precision == "fp16":
+            return self.fp16_tflops or self.bf16_tflops
+        return self.bf16_tflops
 
     def target_config(self) -> str:
         """The `GpuTargetConfig` text proto XLA:GPU compiles for."""
@@ -134,7 +145,19 @@ GPUS = {
                 GpuTarget((8, 9), 142, 2.52, 96 * 2**20, 0.864e12, _DATASHEET.format("8.9", "L40S"))),
     "rtx4090": GPU("rtx4090", 24564, 165, 82.6, ("RTX 4090",),
                    GpuTarget((8, 9), 128, 2.52, 72 * 2**20, 1.008e12, _DATASHEET.format("8.9", "GeForce RTX 4090"))),
+    # Before Ampere: no bfloat16 (`fp16` is their mixed precision) and no TF32 (fp32 at the FP32 peak)
+    "t4": GPU("t4", 15360, 0, 8.1, ("T4",),
+              GpuTarget((7, 5), 40, 1.59, 4 * 2**20, 320e9, _DATASHEET.format("7.5", "T4")),
+              link_bytes_per_s=16e9, fp16_tflops=65),  # PCIe 3.0 x16
+    # no target: CUDA 13, which the planner's jaxlib is built with, has no Volta (a V100 run takes CUDA 12's jaxlib)
+    "v100": GPU("v100", 32510, 0, 15.7, ("V100",), link_bytes_per_s=150e9, fp16_tflops=125),
 }
+
+
+def device_compute_capability(device) -> tuple[int, int] | None:
+    """A jax GPU device's compute capability (its `compute_capability`, "9.0"); None for other devices."""
+    text = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    return tuple(int(part) for part in str(text).split(".")[:2]) if text else None
 
 
 def get_gpu(name: str) -> GPU:

@@ -4,6 +4,7 @@ contrastive step (the softmax or sigmoid loss) from `build_step`, the config's e
 the linear probe) and MFU in its log lines. Configs: `clip_jax.run_config`, `configs/demo.py`.
 """
 
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -11,8 +12,8 @@ import numpy as np
 
 from clip_jax import data
 from clip_jax.models.flops import train_flops
-from clip_jax.models.precision import check_fp8
-from clip_jax.runtime.hardware import gpu_for_device_kind, peak_flops
+from clip_jax.models.precision import bf16_recommendation, check_gpu_precision
+from clip_jax.runtime.hardware import device_compute_capability, gpu_for_device_kind, peak_flops
 from clip_jax.runtime.run_layout import RUN_ENTRIES, TOKENIZER
 from clip_jax.text.model_tokenizer import tokenizer_for
 from clip_jax.training.config_checks import check_config
@@ -22,6 +23,8 @@ from clip_jax.training.run_setup import check_run_locations, data_filter_setting
 from clip_jax.training.run_tokenizer import check_run_tokenizer, keep_run_tokenizer
 from clip_jax.training.schedule import make_schedule
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
+
+log = logging.getLogger("clip_jax.train")
 
 
 class ClipPretraining:
@@ -42,9 +45,14 @@ class ClipPretraining:
         check_config(config, num_devices=jax.device_count(), process_count=jax.process_count())
         check_run_locations(config)  # a bucket that cannot be used stops the run before anything is built
         # so does a model file that cannot be read, before the demo's shards are written
-        self.platform_spec = StepSpec.from_config(config, platform=jax.devices()[0].platform)
+        device = jax.devices()[0]
+        self.platform_spec = StepSpec.from_config(config, platform=device.platform,
+                                                  compute_capability=device_compute_capability(device))
         tokenizer_for(self.platform_spec.model)  # a SigLIP model's tokenizer files: there, and its vocabulary
-        check_fp8(config.precision, gpu_for_device_kind(jax.devices()[0].device_kind))  # None on a CPU: emulated
+        gpu = gpu_for_device_kind(device.device_kind)  # None on a CPU: FP8 emulated, float16 products widened
+        check_gpu_precision(config.precision, gpu)
+        if (recommendation := bf16_recommendation(config.precision, gpu)) and jax.process_index() == 0:
+            log.info(recommendation)
 
     def written_entries(self) -> list[str]:
         return run_entries(self.config) + ([TOKENIZER] if self.tokenizer_folder else [])  # the tokenizer's copy

@@ -10,7 +10,7 @@ import logging
 import jax
 
 from clip_jax.errors import InvalidInput
-from clip_jax.runtime.hardware import MEMORY_FRACTION, gpu_for_device_kind
+from clip_jax.runtime.hardware import MEMORY_FRACTION, device_compute_capability, gpu_for_device_kind
 from clip_jax.training.step_factory import StepMemory, StepSpec, build_step
 
 # Fastest first, as measured with ViT-L/14 on an H200 (benchmarks/RESULTS.md section 8).
@@ -81,8 +81,9 @@ def resolve_auto_remat(spec: StepSpec, mesh, per_device_batch: int, **kwargs) ->
 def step_spec(config, schedule, mesh, precision: str | None = None) -> StepSpec:
     """The step `config` trains with on `mesh` for `schedule` ("auto" remat chosen for it, and logged);
     `precision` replaces the config's."""
-    spec = StepSpec.from_config(config, platform=mesh.devices.flat[0].platform, total_steps=schedule.total_steps,
-                                precision=precision)
+    device = mesh.devices.flat[0]
+    spec = StepSpec.from_config(config, platform=device.platform, total_steps=schedule.total_steps,
+                                precision=precision, compute_capability=device_compute_capability(device))
     spec, choice = resolve_auto_remat(spec, mesh, int(config.batch_size))
     if choice is not None and jax.process_index() == 0:
         log.info(choice.describe())

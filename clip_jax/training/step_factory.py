@@ -179,9 +179,10 @@ class StepSpec:
 
     @classmethod
     def from_config(cls, config, *, platform: str, total_steps: int | None = None,
-                    precision: str | None = None) -> "StepSpec":
-        """The step a training config describes, for devices of `platform` ("gpu", "cpu": the attention kernel
-        "auto" picks depends on it). `precision` replaces the config's (a rollback to fp32)."""
+                    precision: str | None = None, compute_capability: tuple[int, int] | None = None) -> "StepSpec":
+        """The step a training config describes, for devices of `platform` ("gpu", "cpu") and, for a GPU, its
+        `compute_capability` (None: unknown): the attention kernel "auto" picks depends on both. `precision`
+        replaces the config's (a rollback to fp32)."""
         precision = precision or config.precision
         if config.fused_kernels == "pallas" and platform != "gpu":
             raise InvalidInput(f"fused_kernels='pallas' compiles Triton kernels for a GPU, not for {platform}: set "
@@ -191,7 +192,7 @@ class StepSpec:
         model = with_run_tokenizer(get_model_config(config.model), config)  # the tokenizer changes no parameter
         return cls.for_model(model, precision, config.remat_policy if config.grad_checkpointing else "none",
                              choose_attention_impl(config.attention_impl, platform,
-                                                   get_policy(precision).compute_dtype),
+                                                   get_policy(precision).compute_dtype, compute_capability),
                              image_size=config.force_image_size, fsdp=bool(config.fsdp), loss=config.loss,
                              optimizer=optimizer, accum_steps=config.accum_freq,
                              patch_dropout=None if force_patch_dropout is None or force_patch_dropout < 0
