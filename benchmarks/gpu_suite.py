@@ -20,10 +20,11 @@ order `--phases` gives:
   "adopted" stands for the XLA:GPU flags the project adopts (clip_jax.runtime.xla_gpu.ADOPTED_FLAGS) and
   "adopted, each off" for one run per adopted flag with the others on and that one off; a run with `"numerics":
   true` also records the loss and gradient norm of its first steps from the same start, so that a flag's runs on
-  and off compare its numerics; `grad_reduce_dtype`, `residual_dtype` and `fused_kernels` set the StepSpec's
-  fields of those names (a `"fused_kernels": "pallas"` run beside the same run without it times the Pallas kernels
-  and compares their numerics). Before the phase runs, the suite prints what it expects it to take (`--estimate`
-  prints only that): each run at the seconds the same run took in earlier leases (benchmarks/results/h200-*.jsonl).
+  and off compare its numerics; `grad_reduce_dtype`, `residual_dtype`, `fused_kernels` and `unroll_layers` set the
+  StepSpec's fields of those names (a `"fused_kernels": "pallas"` run beside the same run without it times the
+  Pallas kernels and compares their numerics; an `"unroll_layers": true` run, the towers' blocks unrolled). Before
+  the phase runs, the suite prints what it expects it to take (`--estimate` prints only that): each run at the
+  seconds the same run took in earlier leases (benchmarks/results/h200-*.jsonl).
 
 A run: compile (clip_jax) or first step (OpenCLIP), warm-up steps, then `--rounds` rounds of `--steps` steps back to
 back; samples/s is the median round's. MFU counts model FLOPs (3x the analytic forward) against the GPU's datasheet peak
@@ -97,8 +98,8 @@ def measure_clip_jax(spec: dict) -> dict:
     device = jax.local_devices()[0]
     attention = choose_attention_impl(spec["attention"], device.platform, get_policy(spec["precision"]).compute_dtype)
     mesh = create_mesh([device])
-    # a spec may set the precision policy's grad_reduce_dtype / residual_dtype and the fused kernels (StepSpec's
-    # defaults otherwise)
+    # a spec may set the precision policy's grad_reduce_dtype / residual_dtype, the fused kernels and the unrolled
+    # blocks (StepSpec's defaults otherwise)
     numerics = {k: spec[k] for k in STEP_OPTIONS if k in spec}
     step = build_step(StepSpec(config, spec["precision"], spec["remat"], attention,
                                optimizer=OptimizerSpec(lr=1e-3, warmup=10, total_steps=100_000), **numerics), mesh)
@@ -337,7 +338,8 @@ def run_isolated(spec: dict, timeout: float) -> dict:
     return {**spec, "status": "oom" if oom else "failed", "seconds": seconds, "stderr_tail": tail}
 
 
-STEP_OPTIONS = ("grad_reduce_dtype", "residual_dtype", "fused_kernels")  # StepSpec fields a spec may set
+# StepSpec fields a spec may set
+STEP_OPTIONS = ("grad_reduce_dtype", "residual_dtype", "fused_kernels", "unroll_layers")
 
 
 def adopted_flags() -> dict:

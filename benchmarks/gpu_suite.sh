@@ -6,10 +6,10 @@
 #                                                   # gpu_suite.py (e.g. --phases core --time-budget 400)
 #   bash benchmarks/gpu_suite.sh --tiny             # smoke test on any machine: tiny model, tiny batches
 #
-# The next lease (issue 54's step with the adopted XLA flags, OpenCLIP beside it, each flag's numerics; it prints its
-# expected GPU time first, and --estimate prints only that):
+# The next lease (issue 54's step with the adopted XLA flags, OpenCLIP beside it, each flag's numerics, the Pallas
+# kernels, the blocks unrolled; it prints its expected GPU time first, and --estimate prints only that):
 #   bash benchmarks/gpu_suite.sh --phases matmul,specs --precisions bf16 \
-#     --specs benchmarks/specs/h200_memory_bound.json --profile --steps 5 --time-budget 480
+#     --specs benchmarks/specs/h200_memory_bound.json --profile --steps 5 --time-budget 560
 #
 # Results go to $OUT (default benchmarks/out): gpu_suite.jsonl, gpu_suite.txt, gpu_env.json. Wheels in $WHEELS
 # (default .whl) are installed into a private folder first, for images without OpenCLIP (and ftfy, which it imports).

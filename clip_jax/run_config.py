@@ -109,6 +109,10 @@ def default_config() -> ml_collections.ConfigDict:
     # The blocks' residual adds and LayerNorms: off (XLA's fusions) | pallas (Triton kernels, GPU only; not yet timed
     # on a GPU: models/fused_layer_norm.py) | pallas_interpret (the same kernels through Pallas's slow interpreter)
     c.fused_kernels = "off"
+    # Each tower's residual blocks compiled one after another instead of as a loop: the blocks' saved activations
+    # stay where they were written, no copying into and out of per-layer stacks (fewer memory-bound passes, a
+    # larger program; benchmarks/RESULTS.md section 36)
+    c.unroll_layers = False
 
     # Run directory, checkpoints, resumption.
     c.logs = "./logs"

@@ -83,6 +83,7 @@ class CLIP(nn.Module):
     residual_dtype: Dtype | None = None  # the residual stream's dtype in both towers (None: the compute dtype)
     fp8: bool = False  # both towers' residual blocks' matmuls in FP8 (`mixed_precision.fp8_dense`)
     fused_kernels: str = "off"  # both towers' residual adds and LayerNorms as Pallas kernels (see `Transformer`)
+    unroll_layers: bool = False  # both towers' block stacks unrolled (see `Transformer`)
 
     def setup(self):
         cfg, text = self.config, self.config.text
@@ -92,7 +93,7 @@ class CLIP(nn.Module):
             self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu, self.dtype,
                                             self.param_dtype, self.remat_policy, self.attention_impl,
                                             self.layer_params_hook, self.grad_dtype, self.residual_dtype, self.fp8,
-                                            self.fused_kernels)
+                                            self.fused_kernels, self.unroll_layers)
         self.token_embedding = TokenEmbedding(text.vocab_size, text.width, self.dtype, self.param_dtype,
                                               self.grad_dtype)
         if text.embed_cls:
@@ -105,7 +106,7 @@ class CLIP(nn.Module):
                                        attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                                        block=text.block, grad_dtype=self.grad_dtype,
                                        residual_dtype=self.residual_dtype, fp8=self.fp8,
-                                       fused_kernels=self.fused_kernels)
+                                       fused_kernels=self.fused_kernels, unroll_layers=self.unroll_layers)
         self.ln_final = tower_norm(text.block, self.dtype, self.param_dtype)
         if text.proj_bias:
             self.text_projection = Dense(cfg.embed_dim, nn.initializers.normal(text.width**-0.5), self.dtype,
@@ -205,7 +206,8 @@ def _block_states(states, after_block: int | None, tower: str, layers: int):
 def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtype: Dtype = jnp.float32,
                  param_dtype: Dtype = jnp.float32, remat_policy: str = "none",
                  attention_impl: str | None = None, grad_dtype: Dtype | None = None,
-                 residual_dtype: Dtype | None = None, fp8: bool = False, fused_kernels: str = "off") -> CLIP:
+                 residual_dtype: Dtype | None = None, fp8: bool = False, fused_kernels: str = "off",
+                 unroll_layers: bool = False) -> CLIP:
     """A CLIP module for a registered name, an OpenCLIP model-config dict or .json path, or a `CLIPConfig`.
 
     `dtype` is the compute dtype; `param_dtype` the dtype of stored parameters. Neither changes the parameter tree,
@@ -219,6 +221,8 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     `fp8`: the residual blocks' four matmuls in FP8 (the `fp8` precision policy). `fused_kernels`: "pallas" runs
     the residual blocks' adds and LayerNorms as Pallas kernels for a GPU (`fused_layer_norm`; off by default until a
     GPU has timed them), "pallas_interpret" the same kernels through Pallas's interpreter, "off" XLA's fusions.
+    `unroll_layers`: both towers' residual blocks compiled one after another instead of as a loop (the same
+    parameters and results; fewer memory-bound passes, a larger program: see `Transformer`).
     """
     config = get_model_config(name_or_config)
     resolve_remat_policy(remat_policy)  # fail on a bad name now, not at the first trace
@@ -229,7 +233,7 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
     as_dtype = lambda d: None if d is None else jnp.dtype(d)  # noqa: E731
     return CLIP(config, jnp.dtype(dtype), jnp.dtype(param_dtype), remat_policy, attention_impl,
                 grad_dtype=as_dtype(grad_dtype), residual_dtype=as_dtype(residual_dtype), fp8=fp8,
-                fused_kernels=fused_kernels)
+                fused_kernels=fused_kernels, unroll_layers=unroll_layers)
 
 
 def dummy_inputs(config: CLIPConfig, batch_size: int = 1):

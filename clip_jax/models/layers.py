@@ -313,6 +313,10 @@ class Transformer(nn.Module):
     `mask` ([B, 1, T, T] bool or None): an attention mask every block applies on top of `causal`.
     `residual_dtype`: the residual stream's dtype through the blocks and out of them (None: the compute dtype).
     `emit_states`: also return every block's output, stacked [layers, B, T, W] (the towers' hidden states).
+    `unroll_layers`: the scan unrolled, every block its own code (the same parameters): what a block saves for the
+    backward stays where it was written, not copied into zero-filled [layers, ...] stacks and sliced back out
+    (benchmarks/RESULTS.md section 36); the program grows with the depth. Its remat has `prevent_cse` on, so that
+    XLA does not merge the backward's recompute with the forward (a scanned loop's body never is: off there).
     """
 
     width: int
@@ -333,6 +337,7 @@ class Transformer(nn.Module):
     # "pallas": each block's residual adds and LayerNorms as Pallas kernels (`fused_layer_norm`; Triton's, for a GPU),
     # "pallas_interpret" the same through Pallas's interpreter (tests on a CPU); "off": XLA's fusions
     fused_kernels: str = "off"
+    unroll_layers: bool = False
 
     @nn.compact
     def __call__(self, x, mask=None, emit_states: bool = False):  # [B, T, W]
@@ -341,9 +346,9 @@ class Transformer(nn.Module):
             hook = functools.partial(self.layer_params_hook, layers=self.layers)
             block = nn.map_variables(block, "params", trans_in_fn=hook)
         if self.remat_policy != "none":
-            block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=False)
+            block = nn.remat(block, policy=resolve_remat_policy(self.remat_policy), prevent_cse=self.unroll_layers)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
-                        in_axes=nn.broadcast)
+                        in_axes=nn.broadcast, unroll=self.layers if self.unroll_layers else 1)
         x = x.astype(self.residual_dtype or self.dtype)
         x, states = stack(self.width, self.heads, self.mlp_width, self.layers, self.causal, self.quick_gelu,
                           self.dtype, self.param_dtype, self.attention_impl, self.block, self.grad_dtype, self.fp8,

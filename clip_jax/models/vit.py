@@ -38,6 +38,7 @@ class VisionTransformer(nn.Module):
     residual_dtype: Dtype | None = None  # see `Transformer`
     fp8: bool = False  # see `Transformer`
     fused_kernels: str = "off"  # see `Transformer`
+    unroll_layers: bool = False  # see `Transformer`
 
     @nn.compact
     def __call__(self, images, kept_patches=None, emit_states: bool = False):  # [B, H, W, 3] -> [B, embed_dim]
@@ -71,7 +72,8 @@ class VisionTransformer(nn.Module):
                         dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                         block=cfg.block, grad_dtype=self.grad_dtype, residual_dtype=self.residual_dtype,
-                        fp8=self.fp8, fused_kernels=self.fused_kernels, name="transformer")(x, emit_states=emit_states)
+                        fp8=self.fp8, fused_kernels=self.fused_kernels, unroll_layers=self.unroll_layers,
+                        name="transformer")(x, emit_states=emit_states)
         x, states = x if emit_states else (x, None)
         ln_post = norm("ln_post")
         if cfg.attention_pool:  # no projection: the pooled vector is the embedding

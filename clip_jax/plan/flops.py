@@ -7,7 +7,8 @@ the same scanned stack compiled alone at depth 2 (still a loop, so one body: for
 the step's remat policy, dtype and per-device batch). Blocks are identical, so this is exact up to the few ops
 outside the loops that the alone-compiled stack adds (a sum). Whether this XLA counts loop bodies once is checked
 (a depth-2 and a depth-3 stack counting the same); where it counts every trip, nothing is added. A ResNet image
-tower has no loop (its blocks differ in shape and are unrolled): only the text tower's blocks are added.
+tower has no loop (its blocks differ in shape and are unrolled): only the text tower's blocks are added; a step with
+`unroll_layers` has no loop in either tower, and XLA counts each of its blocks itself.
 """
 
 import dataclasses
@@ -41,10 +42,12 @@ def loop_bodies_counted_once() -> bool:
     return three - two < 0.5 * two
 
 
-def scanned_towers(config: CLIPConfig) -> tuple[str, ...]:
+def scanned_towers(setup: StepSpec) -> tuple[str, ...]:
     """The towers whose residual blocks run as a scanned loop: both, or the text tower alone beside a ResNet image
-    tower (whose bottleneck blocks are unrolled, each counted by XLA)."""
-    return ("text",) if is_resnet(config) else TOWERS
+    tower (whose bottleneck blocks are unrolled, each counted by XLA), or none when the step unrolls them."""
+    if setup.unroll_layers:
+        return ()
+    return ("text",) if is_resnet(setup.model) else TOWERS
 
 
 def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, bool]:
@@ -79,7 +82,7 @@ def loop_corrected_flops(compiled, setup: StepSpec, per_device_batch: int, *, tr
     """FLOPs per sample of a compiled forward (train=False) or train step, every block counted."""
     flops = compiled.cost_analysis()["flops"]
     if loop_bodies_counted_once():
-        for tower in scanned_towers(setup.model):
+        for tower in scanned_towers(setup):
             layers = _tower(setup.model, tower)[4]
             if layers > 1:
                 flops += (layers - 1) * block_flops(setup, tower, per_device_batch, train=train)

@@ -137,6 +137,9 @@ class StepSpec:
     # the residual blocks' adds and LayerNorms: "off" (XLA's fusions) or "pallas" (Pallas kernels for a GPU, not yet
     # timed on one; models.fused_layer_norm); "pallas_interpret" runs those kernels through Pallas's interpreter
     fused_kernels: str = "off"
+    # both towers' residual blocks unrolled instead of scanned (models.layers.Transformer): fewer memory-bound
+    # passes for a larger program
+    unroll_layers: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -199,7 +202,7 @@ class StepSpec:
                              else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
                              telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
                              grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype,
-                             fused_kernels=config.fused_kernels)
+                             fused_kernels=config.fused_kernels, unroll_layers=config.unroll_layers)
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -207,14 +210,15 @@ class StepSpec:
                             remat_policy=self.remat_policy, attention_impl=self.attention_impl,
                             grad_dtype=model_grad_dtype(policy, self.grad_reduce_dtype),
                             residual_dtype=model_residual_dtype(policy, self.residual_dtype), fp8=policy.fp8,
-                            fused_kernels=self.fused_kernels)
+                            fused_kernels=self.fused_kernels, unroll_layers=self.unroll_layers)
 
     def describe(self) -> str:
         patch_dropout = self.model.vision.patch_dropout
         return (f"{self.precision}, remat {self.remat_policy}, fsdp {'on' if self.fsdp else 'off'}, "
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else "")
-                + (f", fused kernels {self.fused_kernels}" if self.fused_kernels != "off" else ""))
+                + (f", fused kernels {self.fused_kernels}" if self.fused_kernels != "off" else "")
+                + (", layers unrolled" if self.unroll_layers else ""))
 
 
 def _check_resnet_step(spec: StepSpec) -> None:
