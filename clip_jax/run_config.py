@@ -101,6 +101,10 @@ def default_config() -> ml_collections.ConfigDict:
     # The residual stream between the transformer blocks: in the compute dtype | float32 (as OpenCLIP's autocast
     # keeps it: more activation memory, see models.precision)
     c.residual_dtype = "compute"
+    # fp16's dynamic loss scale (GradScaler's rule, training/loss_scale.py): its first value, and the finite steps in
+    # a row after which it doubles (an overflow skips the step and halves it); other precisions ignore them
+    c.loss_scale_init = 65536.0
+    c.loss_scale_growth_interval = 2000
     c.grad_checkpointing = True  # rematerialise every residual block ...
     # ... under this jax.checkpoint policy; "auto": on GPUs the fastest that fits (training/remat_choice.py)
     c.remat_policy = "nothing_saveable"
@@ -162,7 +166,9 @@ def instability_fields(c: ml_collections.ConfigDict) -> None:
     """The fields that say what a run does when it turns unstable (pretraining's and fine-tuning's)."""
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
     c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
-    c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
+    # rollback | rollback_fp32 (continue in fp32, as the reference run did) | rollback_bf16 (in bf16, as the other
+    # team did) | stop
+    c.on_instability = "rollback"
 
 
 def saved_run_config(fields: dict) -> ml_collections.ConfigDict:

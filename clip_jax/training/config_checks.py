@@ -45,7 +45,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
     problems.extend(report_to_problems(c))
     problems.extend(choice_problems(c, CHOICES[3:]))
     for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",
-                  "nan_patience"):
+                  "nan_patience", "loss_scale_growth_interval"):
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
@@ -53,6 +53,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                   "linear_probe_frequency"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
+    if not c.loss_scale_init > 0:
+        problems.append(f"loss_scale_init={c.loss_scale_init} must be positive (fp16's first loss scale, e.g. "
+                        "65536)")
     force = c.force_patch_dropout  # None, like -1: the model's
     if force is not None and not (force < 1 and (force >= 0 or force == -1)):
         problems.append(f"force_patch_dropout={c.force_patch_dropout}: give a rate in [0, 1), or -1 for the model "

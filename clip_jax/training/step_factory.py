@@ -41,6 +41,8 @@ from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_siz
 from clip_jax.text.model_tokenizer import with_run_tokenizer
 from clip_jax.training import classification_step
 from clip_jax.training.loss import LOSSES
+from clip_jax.training.loss_scale import LossScaleSpec
+from clip_jax.training.policy_state import initial_policy_state
 from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry
 from clip_jax.training.train_step import TrainState, init_train_state, make_forward, make_train_step
 
@@ -137,6 +139,7 @@ class StepSpec:
     # the residual blocks' adds and LayerNorms: "off" (XLA's fusions) or "pallas" (Pallas kernels for a GPU, not yet
     # timed on one; models.fused_layer_norm); "pallas_interpret" runs those kernels through Pallas's interpreter
     fused_kernels: str = "off"
+    loss_scale: LossScaleSpec = LossScaleSpec()  # a policy with `loss_scaling` (fp16): its dynamic loss scale
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -198,7 +201,8 @@ class StepSpec:
                              else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
                              telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
                              grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype,
-                             fused_kernels=config.fused_kernels)
+                             fused_kernels=config.fused_kernels,
+                             loss_scale=LossScaleSpec(config.loss_scale_init, config.loss_scale_growth_interval))
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -235,10 +239,10 @@ def _check_classifier_step(spec: StepSpec) -> None:
         raise InvalidInput("a classification fine-tuning step takes no accum_steps, lock or fsdp: leave them out")
 
 
-def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-    """A freshly initialised train state: params, optimizer state and (a ResNet image tower) batch_stats."""
+def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array, policy_state=None):
+    """A freshly initialised train state: params, optimizer state, (a ResNet image tower) batch_stats, policy_state."""
     variables = init_variables(model, rng)
-    return init_train_state(variables["params"], optimizer, variables.get("batch_stats"))
+    return init_train_state(variables["params"], optimizer, variables.get("batch_stats"), policy_state)
 
 
 def lock_spec(config) -> LockSpec:
@@ -279,7 +283,8 @@ class Step:
         if self.spec.head is not None:
             raise InvalidInput("a classification fine-tuning step starts from pretrained weights: state_from_params")
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        init = lambda rng: fresh_train_state(self.model, self.optimizer, rng)  # noqa: E731
+        policy_state = initial_policy_state(self.spec)
+        init = lambda rng: fresh_train_state(self.model, self.optimizer, rng, policy_state)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(rng)
 
     def state_from_params(self, params, batch_stats=None) -> TrainState:
@@ -291,7 +296,8 @@ class Step:
         if (batch_stats is None) != (self.abstract_state.batch_stats is None):
             raise InvalidInput(f"{self.spec.model.name}: batch_stats are needed exactly when the image tower is a "
                                "ResNet (its BatchNorm statistics)")
-        init = lambda params, stats: init_train_state(params, self.optimizer, stats)  # noqa: E731
+        policy_state = initial_policy_state(self.spec)
+        init = lambda params, stats: init_train_state(params, self.optimizer, stats, policy_state)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(params, batch_stats)
 
     def abstract_batch(self, per_device_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -364,7 +370,8 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     if spec.optimizer.layer_decay != 1:
         optimizer = spec.optimizer.with_layer_decay(optimizer, param_shapes(model), spec.model.vision.layers)
     optimizer = locked_optimizer(optimizer, spec.lock, spec.model.vision.layers, spec.model.text.layers)
-    shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng), jax.random.key(0))
+    shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng, initial_policy_state(spec)),
+                            jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)
