@@ -10,6 +10,7 @@ import pytest
 from clip_jax.models import create_model, init_params
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.loss_scale import LossScale, LossScaleSpec, next_loss_scale
+from clip_jax.training.stability import OverflowWatch
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 ROWS, GROWTH_INTERVAL = 16, 3
@@ -115,3 +116,13 @@ def test_the_scale_rule_matches_gradscalers_and_stops_growing_below_float32s_lim
     top = update(LossScale(jnp.float32(2.0**127), jnp.int32(3)), jnp.bool_(True), 4)
     assert float(top.scale) == 2.0**127  # doubling would overflow float32: kept
 
+
+def test_overflows_are_counted_and_only_a_scale_below_one_is_a_reason_to_roll_back():
+    watch = OverflowWatch(skipped=5)
+    assert not watch.observe({"loss": 1.0, "finite": True})  # a step without a loss scale
+    assert watch.observe({"overflow": True, "loss_scale": 2.0}) and watch.problem is None
+    assert watch.observe({"overflow": True, "loss_scale": 1.0}) and watch.problem is None
+    assert watch.observe({"overflow": True, "loss_scale": 0.5})
+    assert watch.problem == "loss scale driven below 1 (0.5) by 3 overflows in a row"
+    assert not watch.observe({"overflow": False, "loss_scale": 0.5}) and watch.problem is None
+    assert watch.skipped == 8 and watch.in_a_row == 0

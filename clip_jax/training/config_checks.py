@@ -19,7 +19,7 @@ from clip_jax.training.remat_choice import AUTO
 from clip_jax.training.step_factory import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16", "fp16", "fp8")
-INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
+INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "rollback_bf16", "stop")
 REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
 # The fields that take one of a list of names, with their lists.
