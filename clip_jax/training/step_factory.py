@@ -239,7 +239,7 @@ def _check_classifier_step(spec: StepSpec) -> None:
         raise InvalidInput("a classification fine-tuning step takes no accum_steps, lock or fsdp: leave them out")
 
 
-def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array, policy_state=None):
+def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array, policy_state=None) -> TrainState:
     """A freshly initialised train state: params, optimizer state, (a ResNet image tower) batch_stats, policy_state."""
     variables = init_variables(model, rng)
     return init_train_state(variables["params"], optimizer, variables.get("batch_stats"), policy_state)
