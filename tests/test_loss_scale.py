@@ -126,3 +126,19 @@ def test_overflows_are_counted_and_only_a_scale_below_one_is_a_reason_to_roll_ba
     assert watch.problem == "loss scale driven below 1 (0.5) by 3 overflows in a row"
     assert not watch.observe({"overflow": False, "loss_scale": 0.5}) and watch.problem is None
     assert watch.skipped == 8 and watch.in_a_row == 0
+
+
+def test_torch_gradscaler_moves_its_scale_as_ours_does():
+    """A smoke test against the rule's source: torch's GradScaler on the CPU, its gradients made inf or finite."""
+    torch = pytest.importorskip("torch")
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    state = LossScale(jnp.float32(2.0**16), jnp.int32(0))
+    for finite in (False, False, True, True, True, True, False, True, True, True, True):
+        optimizer.zero_grad()
+        scaler.scale((weight * (1.0 if finite else float("inf"))).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        state = next_loss_scale(state, jnp.bool_(finite), 3)
+        assert scaler.get_scale() == float(state.scale)
