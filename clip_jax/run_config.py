@@ -94,13 +94,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.lock_text_unlocked_layers = 0
 
     # Precision and memory.
-    c.precision = "bf16"  # fp32 | bf16 | pure_bf16 | fp8 (H100, H200: models/precision.py); may change on resume
+    c.precision = "bf16"  # fp32 | bf16 | pure_bf16 | fp16 | fp8 (H100, H200: models/precision.py); may change on resume
     # Gradients summed across devices in float32 (as OpenCLIP's DDP) | bfloat16 (half the all-reduce bytes, a 16-bit
     # policy's compute dtype; under fp32 they are float32 whatever this says)
     c.grad_reduce_dtype = "float32"
     # The residual stream between the transformer blocks: auto (float32 under fp16, else the compute dtype) | compute
     # (the compute dtype) | float32 (as OpenCLIP's autocast keeps it: more activation memory, see models.precision)
     c.residual_dtype = "auto"
+    # fp16's dynamic loss scale (GradScaler's rule, training/loss_scale.py): its first value, and the finite steps in
+    # a row after which it doubles (an overflow skips the step and halves it); other precisions ignore them
+    c.loss_scale_init = 65536.0
+    c.loss_scale_growth_interval = 2000
     c.grad_checkpointing = True  # rematerialise every residual block ...
     # ... under this jax.checkpoint policy; "auto": on GPUs the fastest that fits (training/remat_choice.py)
     c.remat_policy = "nothing_saveable"
@@ -166,7 +170,9 @@ def instability_fields(c: ml_collections.ConfigDict) -> None:
     """The fields that say what a run does when it turns unstable (pretraining's and fine-tuning's)."""
     c.nan_patience = 3  # consecutive non-finite steps before rolling back
     c.loss_spike_factor = 0.0  # roll back when the loss exceeds this x its recent mean (0: off)
-    c.on_instability = "rollback"  # rollback | rollback_fp32 (continue in fp32, as the reference run did) | stop
+    # rollback | rollback_fp32 (continue in fp32, as the reference run did) | rollback_bf16 (in bf16, as the other
+    # team did) | stop
+    c.on_instability = "rollback"
 
 
 def saved_run_config(fields: dict) -> ml_collections.ConfigDict:

@@ -350,6 +350,10 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
     ({"residual_dtype": "fp32"}, "residual_dtype='fp32': choose one of ('compute', 'float32')"),
     ({"remat_policy": "dots"}, "remat_policy='dots': choose one of ('none', "),
     ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
+    ({"loss_scale_init": 0.0}, "loss_scale_init=0.0 must be positive (fp16's first loss scale"),
+    ({"loss_scale_growth_interval": 0}, "loss_scale_growth_interval=0 must be at least 1"),
+    ({"on_instability": "rollback_fp16"}, "on_instability='rollback_fp16': choose one of ('rollback', 'rollback_fp32', "
+                                          "'rollback_bf16', 'stop')"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, tmp_path):
     config = tiny_config(("/data/{000..001}.tar", "ViT-B-32"), tmp_path, **overrides)

@@ -15,8 +15,9 @@ and into bf16): e4m3 for activations and weights, e5m2 for output gradients, the
 ...; `check_fp8`); XLA emulates them on a CPU.
 
 Under every policy the norms, the features, the logits, the softmax and the loss are float32 (the model
-returns fp32 features; the loss casts). A policy changes dtypes only, never the parameter tree, so a run can
-resume under another one.
+returns fp32 features; the loss casts). A policy changes dtypes only, never the parameter tree; `fp16` also owns
+its loss scale, kept in the train state's `policy_state` slot (`training.policy_state`), which a resume under
+another policy drops or starts afresh, in one line. So a run can resume under another one.
 
 Gradients are summed over the batch, and so across devices, in `grad_reduce_dtype`: "float32" by default under
 every policy (as OpenCLIP's DDP sums float32 gradients), "bfloat16" to let a 16-bit policy sum them in its compute

@@ -121,5 +121,8 @@ def progress_line(step: int, total_steps: int, epoch: float, scalars: dict[str, 
         parts.append(f"filtered {int(scalars['filtered_samples'])}")
     if scalars.get("skipped_updates"):
         parts.append(f"non-finite {int(scalars['skipped_updates'])}")
+    if "loss_scale" in scalars:  # fp16's
+        parts.append(f"loss scale {scalars['loss_scale']:g}" + (f", overflow {int(scalars['overflow'])}"
+                                                                 if scalars.get("overflow") else ""))
     parts.append(f"ETA {format_duration(scalars['eta_seconds'])}")
     return " | ".join(parts)

@@ -22,6 +22,7 @@ from etils import epath
 
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.runtime import storage, storage_faults
+from clip_jax.runtime.mesh import POLICY_STATE_KEY as POLICY_STATE
 
 STATE, DATA_ITER, META = "state", "data_iter", "meta"
 _DATA_ITER_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
@@ -48,6 +49,7 @@ class CheckpointMeta:
     epoch: float
     skipped_updates: int = 0
     rollbacks: int = 0
+    overflow_steps: int = 0  # steps skipped for an overflow of the scaled backward (fp16's loss scale)
     # the data layout and seed the saved iterator positions belong to
     process_count: int | None = None
     data_workers: int | None = None
@@ -100,9 +102,12 @@ class RunCheckpoints:
 
     def save(self, step: int, state, data_iterator, meta: CheckpointMeta, *, force: bool = False) -> bool:
         """Starts saving (returns before the write finishes); a step already saved is skipped. `data_iterator`
-        None: a run whose data position is a function of the step alone saves none."""
+        None: a run whose data position is a function of the step alone saves none. An empty policy slot is left
+        out: a policy that owns no state writes the layout written before the slot existed."""
         if step in self._manager.all_steps():
             return False
+        if getattr(state, POLICY_STATE, False) is None:  # saved by name, as restored
+            state = {name: value for name, value in state._asdict().items() if name != POLICY_STATE}
         items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta.to_json())}
         if data_iterator is not None:
             items[DATA_ITER] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -139,20 +144,37 @@ class RunCheckpoints:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def restore(self, step: int, abstract_state, data_iterator=None) -> tuple[object, CheckpointMeta]:
+    def restore(self, step: int, abstract_state, data_iterator=None, *,
+                fresh_policy_state=None) -> tuple[object, CheckpointMeta]:
         """(state, meta) of `step`; `data_iterator`, if given, is moved to the saved position. `abstract_state` is
         a pytree of `jax.ShapeDtypeStruct` with shardings: leaves are loaded straight into those shardings and cast
-        to those dtypes, so a run can resume on another mesh size or under another precision policy."""
+        to those dtypes, so a run can resume on another mesh size or under another precision policy.
+
+        A train state's `policy_state` slot (what a precision policy owns: fp16's loss scale) is restored by name
+        when the checkpoint holds one of the structure `abstract_state` has; otherwise the saved slot is dropped
+        and `fresh_policy_state` (the slot as a new run starts it; None under a policy that owns none), laid out as
+        `abstract_state`'s, takes its place. A checkpoint written before the slot existed restores as one without
+        it."""
         if step not in self._manager.all_steps():
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
                                           f"saved steps: {self.all_steps() or 'none'}")
-        check_state_matches(self.directory, step, abstract_state)
-        items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
+        target, keep_slot = abstract_state, True
+        if POLICY_STATE in getattr(abstract_state, "_fields", ()):
+            target, keep_slot = _slot_fitted_target(_saved_tree(storage.join(self.directory, str(step), STATE)),
+                                                    abstract_state)
+        check_state_matches(self.directory, step, target)
+        items = {STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}
         if data_iterator is not None:
             items[DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iterator)
         args = ocp.args.Composite(**items)
         restored = self._manager.restore(step, args=args)
-        return restored[STATE], CheckpointMeta.from_json(dict(restored[META]))
+        state = restored[STATE]
+        if target is not abstract_state:  # restored by name: back into the run's own state type
+            slot = state.get(POLICY_STATE) if keep_slot else jax.device_put(
+                fresh_policy_state, jax.tree.map(lambda leaf: leaf.sharding, abstract_state.policy_state))
+            state = type(abstract_state)(**{**{name: state.get(name) for name in abstract_state._fields},
+                                            POLICY_STATE: slot})
+        return state, CheckpointMeta.from_json(dict(restored[META]))
 
     def wait(self) -> None:
         """Blocks until pending saves are on disk. After a save failed (already told), nothing is pending any
@@ -216,6 +238,23 @@ def data_iter_files(directory: str, step: int) -> list[str]:
 def _saved_tree(state_dir: str):
     """The saved state's tree with array metadata (shapes, dtypes) at the leaves; reads no array."""
     return ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
+
+
+def _slot_fitted_target(saved: dict, abstract_state) -> tuple[dict, bool]:
+    """(what to restore a checkpoint whose saved state tree is `saved` into, whether its policy slot is the run's):
+    `abstract_state`'s fields by name, the fields the checkpoint lacks left out, and a saved policy slot of another
+    structure than the run's read as saved (to be dropped)."""
+    wanted = abstract_state.policy_state
+    saved_slot = saved.get(POLICY_STATE)
+    fits = (saved_slot is None) == (wanted is None) and (wanted is None or _shapes(saved_slot) == _shapes(wanted))
+    target = {name: getattr(abstract_state, name) for name in abstract_state._fields if name in saved}
+    if not fits:
+        target.pop(POLICY_STATE, None)
+        if saved_slot is not None:  # read as saved, then dropped
+            sharding = abstract_state.step.sharding  # replicated, as the slot is
+            target[POLICY_STATE] = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), saved_slot)
+    return target, fits
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:

@@ -29,6 +29,7 @@ REPLICA_AXIS = "replica"  # in a (replica, data) grid: the devices holding the s
 FSDP_MIN_SIZE = 2**14
 LAYER_STACK_KEY = "resblocks"
 BATCH_STATS_KEY = "batch_stats"  # the train state's BatchNorm statistics (a ResNet image tower)
+POLICY_STATE_KEY = "policy_state"  # the train state's slot for a precision policy's own state (fp16's loss scale)
 
 
 def create_mesh(devices: Sequence[jax.Device] | None = None, *, fsdp_params: Any = None) -> Mesh:
@@ -138,12 +139,13 @@ def state_shardings(abstract_state: Any, mesh: Mesh, *, fsdp: bool, min_size: in
     conv kernels ([kh, kw, in, out]) split like any kernel, on their largest dimension the device count divides;
     BatchNorm's scales and biases are vectors of at most a few thousand channels, below `FSDP_MIN_SIZE`, and stay
     whole. Its running statistics (the train state's `batch_stats`) are always replicated: every device normalises
-    with all of them, and they are small (0.42 MiB for RN50x4).
+    with all of them, and they are small (0.42 MiB for RN50x4). So is a precision policy's own state
+    (`policy_state`: a few scalars, the same on every device).
     """
 
     def leaf_sharding(path, leaf):
         names = path_names(path)
-        if not fsdp or names[0] == BATCH_STATS_KEY:
+        if not fsdp or names[0] in (BATCH_STATS_KEY, POLICY_STATE_KEY):
             return replicated(mesh)
         stacked = LAYER_STACK_KEY in names
         return NamedSharding(mesh, fsdp_leaf_spec(mesh, leaf.shape, stacked=stacked, min_size=min_size))

@@ -19,7 +19,7 @@ from clip_jax.training.remat_choice import AUTO
 from clip_jax.training.step_factory import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "pure_bf16", "fp16", "fp8")
-INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "stop")
+INSTABILITY_ACTIONS = ("rollback", "rollback_fp32", "rollback_bf16", "stop")
 REPORT_TO = ("tensorboard", "wandb")  # report_to: "none", one of these, or both joined by "," (OpenCLIP's flag)
 RESUME_DATA = ("exact", "allow_reseed")
 # The fields that take one of a list of names, with their lists.
@@ -50,7 +50,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
         except InvalidInput as e:
             problems.append(str(e))
     for field in ("batch_size", "accum_freq", "epochs", "save_frequency", "keep", "log_every_n_steps",
-                  "nan_patience"):
+                  "nan_patience", "loss_scale_growth_interval"):
         if c[field] < 1:
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
@@ -58,6 +58,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                   "linear_probe_frequency"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
+    if not c.loss_scale_init > 0:
+        problems.append(f"loss_scale_init={c.loss_scale_init} must be positive (fp16's first loss scale, e.g. "
+                        "65536)")
     force = c.force_patch_dropout  # None, like -1: the model's
     if force is not None and not (force < 1 and (force >= 0 or force == -1)):
         problems.append(f"force_patch_dropout={c.force_patch_dropout}: give a rate in [0, 1), or -1 for the model "

@@ -26,6 +26,7 @@ from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, lates
 from clip_jax.runtime.run_directory import RunDirectory, resolve_resume
 from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, METRICS, reported_entries
 from clip_jax.training.config_checks import report_targets
+from clip_jax.training.policy_state import resume_note
 from clip_jax.training.task import COMMANDS
 
 
@@ -80,7 +81,7 @@ def plan_run_start(config, task, *, process_count: int, now: Callable[[], int]) 
         return RunStart(directory, (checkpoints, step), meta, DataResume(False, config.seed))
     data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(checkpoints, step)),
                             where=where, step=step, process_count=process_count)
-    notes = (data.note, filter_change_note(config, meta, where))
+    notes = (data.note, filter_change_note(config, meta, where), resume_note(meta and meta.precision, config))
     return RunStart(directory, (checkpoints, step), meta, data, tuple(note for note in notes if note))
 
 

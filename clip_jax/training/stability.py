@@ -1,5 +1,6 @@
 """When a run is unstable: too many non-finite steps in a row, or a loss spike above its recent mean
-(`InstabilityMonitor`), and where it goes back to then (`rollback_step`)."""
+(`InstabilityMonitor`), or a loss scale driven below 1 by overflows (`OverflowWatch`), and where it goes back to then
+(`rollback_step`) under which precision (`ROLLBACK_PRECISIONS`)."""
 
 import collections
 import math
@@ -7,6 +8,9 @@ import math
 from clip_jax.errors import InvalidInput, RunFailed
 
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+# on_instability's actions that continue under another precision after rolling back (the reference run's fp16 ->
+# fp32 restart, the other team's fp16 -> bf16)
+ROLLBACK_PRECISIONS = {"rollback_fp32": "fp32", "rollback_bf16": "bf16"}
 
 
 class TrainingUnstable(RunFailed):
@@ -64,3 +68,35 @@ class InstabilityMonitor:
         """After a rollback: the history belongs to the abandoned trajectory."""
         self.history.clear()
         self.non_finite_in_a_row = 0
+
+
+class OverflowWatch:
+    """Fed every step under a dynamic loss scale (fp16): whether its scaled backward overflowed (the step skipped, the
+    scale halved) and the scale after it. An overflow is how the scale finds its level, not instability: it is only
+    counted (`skipped`, the run's total), unless overflows in a row drive the scale below 1, where the loss
+    itself no longer fits float16's range: then `problem` holds the reason to roll back."""
+
+    def __init__(self, skipped: int = 0):
+        self.skipped, self.in_a_row = skipped, 0
+        self.problem: str | None = None  # the reason to roll back the last overflow gave, or None
+
+    def observe(self, scalars: dict) -> bool:
+        """Whether the step read as `scalars` was skipped for an overflow (False for a step without a loss scale);
+        `problem` says whether it calls for a rollback."""
+        self.problem = None
+        if not scalars.get("overflow"):
+            self.in_a_row = 0
+            return False
+        self.skipped += 1
+        self.in_a_row += 1
+        loss_scale = float(scalars["loss_scale"])
+        if loss_scale < 1:
+            self.problem = f"loss scale driven below 1 ({loss_scale:g}) by {self.in_a_row} overflows in a row"
+        return True
+
+    def scalars(self, read) -> dict:
+        """What a logged step says of the loss scale (fp16's): its value after the step `read` (the last one read)
+        and the steps skipped for an overflow so far; nothing for a step without one."""
+        if read is None or "loss_scale" not in read.scalars:
+            return {}
+        return {"loss_scale": float(read.scalars["loss_scale"]), "overflow": self.skipped}

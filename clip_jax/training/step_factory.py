@@ -41,6 +41,8 @@ from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_siz
 from clip_jax.text.model_tokenizer import with_run_tokenizer
 from clip_jax.training import classification_step
 from clip_jax.training.loss import LOSSES
+from clip_jax.training.loss_scale import LossScaleSpec
+from clip_jax.training.policy_state import initial_policy_state
 from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry
 from clip_jax.training.train_step import TrainState, init_train_state, make_forward, make_train_step
 
@@ -122,8 +124,7 @@ class StepSpec:
     optimizer: OptimizerSpec = OptimizerSpec()
     accum_steps: int = 1  # micro-batches per step, the loss still over the whole batch (OpenCLIP's accum_freq)
     # Patch dropout in training: None keeps the model config's `vision.patch_dropout`; a rate replaces it there
-    # (OpenCLIP's --force-patch-dropout; `for_model`), so `model` holds the rate the step runs with, and FLOPs count
-    # it.
+    # (OpenCLIP's --force-patch-dropout; `for_model`), so `model` holds the rate the step runs with, FLOPs count it.
     patch_dropout: float | None = None
     seed: int = 0  # the run's seed: each step's kept patches are drawn from (seed, step)
     # Spike telemetry (clip_jax.training.spike_telemetry) as metrics["telemetry"] on every this many steps (the
@@ -137,15 +138,13 @@ class StepSpec:
     # the residual blocks' adds and LayerNorms: "off" (XLA's fusions) or "pallas" (Pallas kernels for a GPU, not yet
     # timed on one; models.fused_layer_norm); "pallas_interpret" runs those kernels through Pallas's interpreter
     fused_kernels: str = "off"
-    # both towers' residual blocks unrolled instead of scanned (models.layers.Transformer): fewer memory-bound
-    # passes for a larger program
-    unroll_layers: bool = False
+    unroll_layers: bool = False  # the towers' blocks unrolled, not scanned (models.layers.Transformer)
+    loss_scale: LossScaleSpec = LossScaleSpec()  # a policy with `loss_scaling` (fp16): its dynamic loss scale
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
             raise InvalidInput(f"StepSpec's model is a CLIPConfig, the model as the step trains it; got "
-                               f"{type(self.model).__name__}: build the spec with StepSpec.for_model(name_or_config, "
-                               "...)")
+                               f"{type(self.model).__name__}: build the spec with StepSpec.for_model(name_or_config)")
         model_grad_dtype(get_policy(self.precision), self.grad_reduce_dtype)  # fails on a bad name
         model_residual_dtype(get_policy(self.precision), self.residual_dtype)
         if self.attention_impl not in ("xla", "cudnn"):
@@ -183,9 +182,8 @@ class StepSpec:
     @classmethod
     def from_config(cls, config, *, platform: str, total_steps: int | None = None,
                     precision: str | None = None, compute_capability: tuple[int, int] | None = None) -> "StepSpec":
-        """The step a training config describes, for devices of `platform` ("gpu", "cpu") and, for a GPU, its
-        `compute_capability` (None: unknown): the attention kernel "auto" picks depends on both. `precision`
-        replaces the config's (a rollback to fp32)."""
+        """The step a training config describes, for devices of `platform` ("gpu", "cpu") of `compute_capability`
+        (None: unknown), on which "auto" attention depends. `precision` replaces the config's (a rollback)."""
         precision = precision or config.precision
         if config.fused_kernels == "pallas" and platform != "gpu":
             raise InvalidInput(f"fused_kernels='pallas' compiles Triton kernels for a GPU, not for {platform}: set "
@@ -202,7 +200,8 @@ class StepSpec:
                              else force_patch_dropout, seed=config.seed, lock=lock_spec(config),
                              telemetry_every=config.log_every_n_steps if config.spike_telemetry else 0,
                              grad_reduce_dtype=config.grad_reduce_dtype, residual_dtype=config.residual_dtype,
-                             fused_kernels=config.fused_kernels, unroll_layers=config.unroll_layers)
+                             fused_kernels=config.fused_kernels, unroll_layers=config.unroll_layers,
+                             loss_scale=LossScaleSpec(config.loss_scale_init, config.loss_scale_growth_interval))
 
     def create_model(self):
         policy = get_policy(self.precision)
@@ -240,10 +239,10 @@ def _check_classifier_step(spec: StepSpec) -> None:
         raise InvalidInput("a classification fine-tuning step takes no accum_steps, lock or fsdp: leave them out")
 
 
-def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-    """A freshly initialised train state: params, optimizer state and (a ResNet image tower) batch_stats."""
+def fresh_train_state(model, optimizer: optax.GradientTransformation, rng: jax.Array, policy_state=None) -> TrainState:
+    """A freshly initialised train state: params, optimizer state, (a ResNet image tower) batch_stats, policy_state."""
     variables = init_variables(model, rng)
-    return init_train_state(variables["params"], optimizer, variables.get("batch_stats"))
+    return init_train_state(variables["params"], optimizer, variables.get("batch_stats"), policy_state)
 
 
 def lock_spec(config) -> LockSpec:
@@ -254,8 +253,8 @@ def lock_spec(config) -> LockSpec:
 
 
 def mesh_for(spec: StepSpec, devices=None) -> Mesh:
-    """The mesh `spec` trains on over `devices` (default: every device of every process): 1-D, or under FSDP a
-    (replica, data) grid when the device count divides no dimension of some large weight (`create_mesh`)."""
+    """The mesh `spec` trains on over `devices` (default: all): 1-D, or under FSDP a (replica, data) grid where the
+    device count divides no dimension of some large weight (`create_mesh`)."""
     return create_mesh(devices, fsdp_params=param_shapes(create_model(spec.model)) if spec.fsdp else None)
 
 
@@ -284,7 +283,8 @@ class Step:
         if self.spec.head is not None:
             raise InvalidInput("a classification fine-tuning step starts from pretrained weights: state_from_params")
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        init = lambda rng: fresh_train_state(self.model, self.optimizer, rng)  # noqa: E731
+        policy_state = initial_policy_state(self.spec)
+        init = lambda rng: fresh_train_state(self.model, self.optimizer, rng, policy_state)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(rng)
 
     def state_from_params(self, params, batch_stats=None) -> TrainState:
@@ -296,7 +296,8 @@ class Step:
         if (batch_stats is None) != (self.abstract_state.batch_stats is None):
             raise InvalidInput(f"{self.spec.model.name}: batch_stats are needed exactly when the image tower is a "
                                "ResNet (its BatchNorm statistics)")
-        init = lambda params, stats: init_train_state(params, self.optimizer, stats)  # noqa: E731
+        policy_state = initial_policy_state(self.spec)
+        init = lambda params, stats: init_train_state(params, self.optimizer, stats, policy_state)  # noqa: E731
         return jax.jit(init, out_shardings=self.shardings)(params, batch_stats)
 
     def abstract_batch(self, per_device_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -369,7 +370,8 @@ def build_step(spec: StepSpec, mesh: Mesh) -> Step:
     if spec.optimizer.layer_decay != 1:
         optimizer = spec.optimizer.with_layer_decay(optimizer, param_shapes(model), spec.model.vision.layers)
     optimizer = locked_optimizer(optimizer, spec.lock, spec.model.vision.layers, spec.model.text.layers)
-    shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng), jax.random.key(0))
+    shapes = jax.eval_shape(lambda rng: fresh_train_state(model, optimizer, rng, initial_policy_state(spec)),
+                            jax.random.key(0))
     shardings = state_shardings(shapes, mesh, fsdp=spec.fsdp)
     abstract_state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   shapes, shardings)

@@ -17,6 +17,11 @@ micro-batches with the images, so phases 1 and 3 drop the same patches, and a sa
 whatever the accumulation or the device count. The key is a function of the run's seed and the step counter only:
 no RNG state is saved, and a resumed run draws the same patches at the same step.
 
+Dynamic loss scaling (`fp16`, `training.loss_scale`): the backward starts from the state's loss scale, under
+accumulation in phase 2 (the feature gradients seeding each micro-batch's backward are scaled); the gradients are
+unscaled in float32 before the global norm, the spike telemetry and the optimizer read them. A step whose gradients
+overflow is skipped as a non-finite one is, and the scale moves by GradScaler's rule.
+
 BatchNorm (a ResNet image tower): the forward runs in train mode and normalises with the statistics of the whole
 global batch, not of each device's part. Inside this jitted GSPMD step a mean over the batch axis of a batch split
 over the devices is an all-reduce that XLA inserts, so the statistics, the loss and the gradients do not depend on
@@ -49,11 +54,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clip_jax.models.config import is_resnet
+from clip_jax.models.precision import get_policy
 from clip_jax.models.vit import kept_patch_count, kept_patch_indices
 from clip_jax.optim.adamw import clamp_logit_scale
 from clip_jax.runtime.mesh import (LAYER_STACK_KEY, batch_axes, batch_sharding, data_parallel_size, fsdp_leaf_spec,
                                    is_split, path_names, replicated)
 from clip_jax.training.loss import LOSSES
+from clip_jax.training.loss_scale import next_loss_scale, unscaled, value_and_grads
 
 
 class TrainState(NamedTuple):
@@ -63,10 +70,14 @@ class TrainState(NamedTuple):
     opt_state: Any
     step: jax.Array  # int32 scalar: batches consumed (updates applied, or skipped as non-finite)
     batch_stats: Any = None  # BatchNorm's running statistics (a ResNet image tower); None: the model has none
+    # What the precision policy owns (fp16's loss scale), replicated and saved by name; None under a policy that owns
+    # nothing, whose states and checkpoints are as before the slot existed (`training.policy_state`)
+    policy_state: Any = None
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation, batch_stats=None) -> TrainState:
-    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), batch_stats)
+def init_train_state(params, optimizer: optax.GradientTransformation, batch_stats=None,
+                     policy_state=None) -> TrainState:
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), batch_stats, policy_state)
 
 
 def make_forward(model, mesh: Mesh, *, fsdp: bool, batch_norm: str | None = None) -> Callable:
@@ -184,28 +195,31 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(squares))
 
 
-def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch, batch_stats=None):
+def full_batch_grads(forward: Callable, loss_fn: Callable, params, batch, batch_stats=None, loss_scale=None):
     """(loss, accuracy, logit_params, grads, batch_stats) from one forward and backward over the whole batch;
     logit_params: the forward's outputs after the features, (scale,) or (scale, bias).
 
     `forward(params, batch, batch_stats) -> (outputs, batch_stats)`: the statistics it returns (updated by a
-    train-mode BatchNorm, or None for a model without) are returned."""
+    train-mode BatchNorm, or None for a model without) are returned. `loss_scale`: the backward starts from it
+    (the gradients are those of the scaled loss); None: from 1."""
 
     def loss_on_params(params):
         (image_features, text_features, *logit_params), new_stats = forward(params, batch, batch_stats)
         loss, accuracy = loss_fn(image_features, text_features, *logit_params)
         return loss, (accuracy, tuple(logit_params), new_stats)
 
-    (loss, (accuracy, logit_params, new_stats)), grads = jax.value_and_grad(loss_on_params, has_aux=True)(params)
+    (loss, (accuracy, logit_params, new_stats)), (grads,) = value_and_grads(loss_on_params, params,
+                                                                          loss_scale=loss_scale)
     return loss, accuracy, logit_params, grads, new_stats
 
 
 def accumulated_grads(
-    forward: Callable, loss_fn: Callable, params, batch, batch_stats=None, *, accum_steps: int, mesh: Mesh,
-    grad_shardings
+    forward: Callable, loss_fn: Callable, params, batch, batch_stats=None, loss_scale=None, *, accum_steps: int,
+    mesh: Mesh, grad_shardings
 ):
     """(loss, accuracy, logit_params, grads, batch_stats) over k micro-batches, the loss still seeing the whole
-    batch; `forward` as for `full_batch_grads`.
+    batch; `forward` and `loss_scale` as for `full_batch_grads` (scaled, the feature gradients that seed each
+    micro-batch's backward, and the scale's and bias's, are those of the scaled loss).
 
     Equal to `full_batch_grads` up to rounding for a model without BatchNorm; holds the activations of one
     micro-batch at a time. With BatchNorm, each micro-batch is normalised with its own statistics and the running
@@ -230,9 +244,8 @@ def accumulated_grads(
     logit_params = tuple(p[0] for p in logit_params)  # scale (and bias): the same in every micro-batch
 
     # 2. the loss over the whole batch and its gradient with respect to the features, the scale (and the bias)
-    (loss, accuracy), (image_grads, text_grads, *logit_grads) = jax.value_and_grad(
-        loss_fn, argnums=tuple(range(2 + len(logit_params))), has_aux=True
-    )(image_features, text_features, *logit_params)
+    (loss, accuracy), (image_grads, text_grads, *logit_grads) = value_and_grads(
+        loss_fn, image_features, text_features, *logit_params, loss_scale=loss_scale)
 
     # 3. per micro-batch: forward again, backward seeded with its feature gradients; the sum is the gradient.
     # A train-mode BatchNorm normalises with the micro-batch's own statistics, whatever running statistics it is
@@ -270,7 +283,9 @@ def make_train_step(spec, model, optimizer: optax.GradientTransformation, learni
     `shardings`: the train state's shardings (split under `spec.fsdp`, else replicated). metrics: `loss`, `accuracy`
     (top-1 of the contrastive task, both directions), `logit_scale` (the exponentiated scale used in this step),
     `logit_bias` (when the model has one), `grad_norm` (global norm before clipping), `learning_rate` (of this
-    update), `finite` (False when the update was skipped for a non-finite loss or gradient). Each step's kept
+    update), `finite` (False when the update was skipped for a non-finite loss or gradient); under a policy with
+    `loss_scaling` (fp16) also `overflow` (the update skipped for non-finite gradients of a finite loss: the scale
+    was too large) and `loss_scale` (the scale after the step: the next step's). Each step's kept
     patches are drawn from (`spec.seed`, step) (see the module docstring). `freeze`: params -> params with the
     gradients into locked params stopped (`clip_jax.optim.lock.stop_locked_gradients`), so the backward skips them;
     their gradients are 0. `telemetry(step, grads, updates, new_opt_state, new_params) -> pytree`: extra statistics
@@ -302,6 +317,7 @@ def make_train_step(spec, model, optimizer: optax.GradientTransformation, learni
         def forward(params, batch, batch_stats):
             return unfrozen_forward(freeze(params), batch, batch_stats)
 
+    loss_scaling = get_policy(spec.precision).loss_scaling
     loss_function = LOSSES[loss]
 
     def loss_fn(image_features, text_features, logit_scale, *logit_bias):
@@ -336,8 +352,12 @@ def make_train_step(spec, model, optimizer: optax.GradientTransformation, learni
             )
         if patch_dropout > 0:
             batch = {**batch, "kept_patches": step_kept_patches(state.step, batch_size)}
-        loss, accuracy, logit_params, grads, batch_stats = compute_grads(state.params, batch, state.batch_stats)
+        loss_scale = state.policy_state.scale if loss_scaling else None
+        loss, accuracy, logit_params, grads, batch_stats = compute_grads(state.params, batch, state.batch_stats,
+                                                                         loss_scale)
         grads = jax.lax.with_sharding_constraint(grads, shardings.params)  # under FSDP: reduce-scattered
+        if loss_scaling:  # nothing reads the scaled gradients
+            grads = unscaled(grads, loss_scale)
         grad_norm = global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = clamp_logit_scale(optax.apply_updates(state.params, updates))
@@ -357,10 +377,17 @@ def make_train_step(spec, model, optimizer: optax.GradientTransformation, learni
         }
         if len(logit_params) > 1:
             metrics["logit_bias"] = logit_params[1]
+        policy_state = state.policy_state
+        if loss_scaling:
+            # the scale follows the step's finiteness; a finite loss with non-finite gradients is an overflow of
+            # the scaled backward, not instability
+            policy_state = next_loss_scale(policy_state, finite, spec.loss_scale.growth_interval)
+            metrics["overflow"] = jnp.isfinite(loss) & ~finite
+            metrics["loss_scale"] = policy_state.scale
         if telemetry is not None:
             # the state after the step: the donated old params, read here, would have to be copied first
             metrics["telemetry"] = telemetry(state.step, grads, updates, opt_state, params)
-        return TrainState(params, opt_state, state.step + 1, batch_stats), metrics
+        return TrainState(params, opt_state, state.step + 1, batch_stats, policy_state), metrics
 
     if spec.fused_kernels != "off":
         step = _traced_under_mesh(step, mesh)

@@ -33,7 +33,9 @@ from clip_jax.runtime.stop_signals import CutShort, Stopped, StopSignal
 from clip_jax.training.config_checks import report_targets
 from clip_jax.training.evaluations import Scheduled
 from clip_jax.training.run_setup import plan_run_start, unread_saved_fields
-from clip_jax.training.stability import InstabilityMonitor, TrainingUnstable, rollback_step  # noqa: F401
+from clip_jax.training.policy_state import initial_policy_state
+from clip_jax.training.stability import (ROLLBACK_PRECISIONS, InstabilityMonitor, OverflowWatch,  # noqa: F401
+                                         TrainingUnstable, rollback_step)
 from clip_jax.training.step_reads import Read, StepReads
 from clip_jax.training.task_choice import task_for
 
@@ -93,6 +95,7 @@ class Trainer:
         self.skipped_updates = self.rollbacks = 0
         self.rollbacks_to: dict[int, int] = {}  # checkpoint step -> rollbacks to it in this process
         self.monitor = InstabilityMonitor(config.nan_patience, config.loss_spike_factor)
+        self.overflows = OverflowWatch()  # fp16's steps skipped for an overflow
         self.data_iter = self.checkpoints = self.outputs = self.evaluations = None
         try:
             self._stop_check("while the train step was built")
@@ -113,6 +116,7 @@ class Trainer:
             directory, step = start.resume_from
             self.state, meta = self._restore(directory, step, with_data=start.data.restore)
             self.skipped_updates, self.rollbacks = meta.skipped_updates, meta.rollbacks
+            self.overflows = OverflowWatch(meta.overflow_steps)
             self._say(f"resumed {directory}/{step} (saved under {meta.precision}, continuing under "
                       f"{self.engine.spec.precision})")
         else:
@@ -180,7 +184,7 @@ class Trainer:
             global_batch=self.schedule.global_batch, samples_seen=self.step * self.schedule.global_batch,
             epoch=self.schedule.epoch(self.step), skipped_updates=self.skipped_updates, rollbacks=self.rollbacks,
             process_count=jax.process_count(), data_seed=self.data_seed, log_window=self.reads.window.state(),
-            task=self.task.name, **self.task.meta_fields())
+            overflow_steps=self.overflows.skipped, task=self.task.name, **self.task.meta_fields())
 
     def _saved_data(self):
         return None if self.task.data_by_step else self.data_iter
@@ -194,7 +198,8 @@ class Trainer:
         checkpoints = (self.checkpoints if directory == self.checkpoints.directory
                        else RunCheckpoints(directory, read_only=True))  # another run's: left as it is
         try:
-            return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None)
+            return checkpoints.restore(step, self.engine.abstract_state, self.data_iter if with_data else None,
+                                       fresh_policy_state=initial_policy_state(self.engine.spec))
         finally:
             if checkpoints is not self.checkpoints:
                 checkpoints.close()
@@ -209,8 +214,10 @@ class Trainer:
     # -- instability ----------------------------------------------------------------------------------------
 
     def observe(self, step: int, scalars: dict) -> str | None:
-        """Acts on step `step`'s metrics, read to the host: counts a skipped update (a non-finite loss or gradient)
-        and feeds the instability monitor; the problem it sees (a reason to roll back), or None."""
+        """Acts on step `step`'s metrics, read to the host: counts a skipped update (a non-finite loss or gradient;
+        an overflow of fp16's loss scale apart) and feeds the instability monitor; the problem it sees, or None."""
+        if self.overflows.observe(scalars):
+            return self.overflows.problem
         loss, finite = float(scalars["loss"]), bool(scalars["finite"])
         if not finite:
             self.skipped_updates += 1
@@ -223,12 +230,12 @@ class Trainer:
 
     def _roll_back(self, at_step: int, reason: str) -> None:
         """Back to the last checkpoint (the data iterator keeps going: the batches that led here are not
-        replayed), under fp32 if so configured. `at_step`: the step whose loss showed the problem."""
+        replayed), under fp32 or bf16 if so configured. `at_step`: the step whose loss showed the problem."""
         action = self.config.on_instability
         self.checkpoints.wait()
         step = rollback_step(self.checkpoints.latest_step(), action, reason, at_step, self.rollbacks_to)
-        if action == "rollback_fp32" and self.engine.spec.precision != "fp32":
-            self.engine = self.task.build(precision="fp32")[2]
+        if (precision := ROLLBACK_PRECISIONS.get(action)) and self.engine.spec.precision != precision:
+            self.engine = self.task.build(precision=precision)[2]
         self.state, _ = self._restore(self.checkpoints.directory, step, with_data=False)
         self.rollbacks += 1
         self.monitor.reset()
@@ -379,7 +386,7 @@ class Trainer:
             mfu=self.task.mfu(samples_per_sec, self.engine),
             data_wait_fraction=data_wait / max(elapsed, 1e-9),
             **self.task.data_scalars(self.data_iter),
-            skipped_updates=self.skipped_updates,
+            skipped_updates=self.skipped_updates, **self.overflows.scalars(self.reads.last_read),
             data_wait_per_step=data_wait / max(steps, 1),
             eta_seconds=remaining * elapsed / max(steps, 1),
             epoch=self.schedule.epoch(self.step),
