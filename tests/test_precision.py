@@ -16,6 +16,7 @@ from clip_jax.run_config import default_config
 from clip_jax.runtime.hardware import GPUS, peak_flops
 from clip_jax.runtime.mesh import create_mesh, make_global_batch
 from clip_jax.training.config_checks import check_config
+from clip_jax.training.loss_scale import LossScaleSpec
 from clip_jax.training.step_factory import OptimizerSpec, StepSpec, build_step
 
 GLOBAL_BATCH = 16  # 2 rows per device: the loss's logits are [2, 16]
@@ -280,12 +281,13 @@ TRAJECTORY_STEPS = 6
 
 
 def losses_along(spec: StepSpec, params, batches) -> list[float]:
-    """The loss of each of `spec`'s steps from `params` over `batches`, on 8 devices."""
+    """The loss of each of `spec`'s steps from `params` over `batches`, on 8 devices; none may overflow."""
     step = build_step(spec, create_mesh())
     state, losses = step.state_from_params(cast_params(params, get_policy(spec.precision))), []
     for batch in batches:
         state, metrics = step(state, make_global_batch(batch, step.mesh))
         losses.append(float(metrics["loss"]))
+        assert not metrics.get("overflow", False), f"{spec.precision}: step {len(losses)} overflowed"
     return losses
 
 
@@ -297,9 +299,11 @@ def test_fp16_losses_are_no_further_from_fp32s_than_bf16s_at_every_step(policy_m
                 "tokens": rng.integers(1, 1000, size=(GLOBAL_BATCH, 16)).astype(np.int32)}
                for _ in range(TRAJECTORY_STEPS)]
     # plain SGD: each update is the gradient itself, so its rounding reaches the next loss in proportion (Adam's
-    # first steps are about sign(gradient): a tiny gradient's rounding flips a whole step)
+    # first steps are about sign(gradient): a tiny gradient's rounding flips a whole step). The loss scale starts
+    # where this model's gradients do not overflow (65536 does: its first steps would be skipped, as GradScaler's
+    # are, and tests/test_loss_scale.py pins that down), so every step compares float16's numerics with bfloat16's.
     losses = {name: losses_along(StepSpec(policy_model("fp32").config, name, fsdp=True, accum_steps=accum_steps,
-                                          optimizer=SGD), fp32_params, batches)
+                                          optimizer=SGD, loss_scale=LossScaleSpec(init=1024.0)), fp32_params, batches)
               for name in ("fp32", "bf16", "fp16")}
     fp16_off = np.abs(np.subtract(losses["fp16"], losses["fp32"]))
     bf16_off = np.abs(np.subtract(losses["bf16"], losses["fp32"]))
