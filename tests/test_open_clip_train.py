@@ -155,3 +155,28 @@ def test_the_command_prints_one_json_object_and_says_no_ops_on_stderr(tmp_path):
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["batch_size"] == 224
     assert all(line.startswith("note: ") for line in run.stderr.splitlines())
+
+
+def test_the_open_clip_launch_script_runs_the_reference_line():
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "CLIP_JAX_"))}
+    env.update(SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="1", SLURM_JOB_NAME="l14", SLURM_SUBMIT_DIR=REPO)
+    run = subprocess.run(["bash", os.path.join(REPO, "launch", "l14_laion2b_open_clip.sbatch"), "--dry-run"],
+                         env=env, capture_output=True, text=True, cwd="/")
+    assert run.returncode == 0, run.stderr
+    program, flags = run.stdout.strip().splitlines()[-1].split("cmd: python ", 1)[1].split(" ", 2)[1:]
+    assert program == "clip_jax.open_clip_train" and flags.split() == [*REFERENCE, "--resume", "latest"]
+
+
+def test_a_config_file_prints_its_open_clip_line_then_the_fields_without_a_flag(capsys):
+    assert open_clip_command.main(["--print-open-clip", os.path.join(REPO, "configs", "l14_laion2b.py")]) == 0
+    line, *unflagged = capsys.readouterr().out.splitlines()
+    assert line.startswith("python -m open_clip_train.main --train-data=/data/laion2B-en/{00000..23295}.tar ")
+    assert "--precision=amp_bf16" in line.split() and "--imagenet-val=/data/imagenet/val" in line.split()
+    assert "# no OpenCLIP flag: keep=5" in unflagged and "# no OpenCLIP flag: resume='latest'" not in unflagged
+
+
+def test_the_readme_table_shows_every_flag_as_classified():
+    readme = open(os.path.join(REPO, "README.md")).read().split("### From an OpenCLIP script", 1)[1]
+    rows = {row.split("|")[1].strip(" `"): row.split("|")[2].strip() for row in readme.splitlines()
+            if row.startswith("| `--")}
+    assert rows == {flag.option: flag.kind for flag in FLAGS.values()}
