@@ -180,3 +180,23 @@ def test_the_readme_table_shows_every_flag_as_classified():
     rows = {row.split("|")[1].strip(" `"): row.split("|")[2].strip() for row in readme.splitlines()
             if row.startswith("| `--")}
     assert rows == {flag.option: flag.kind for flag in FLAGS.values()}
+
+
+@pytest.mark.slow
+def test_a_run_started_with_open_clip_flags_is_the_run_its_config_starts(fashion_mnist_shards, tmp_path,
+                                                                         orbax_writes_replicated_arrays_whole):
+    from trainer_run import losses, tiny_config
+
+    from clip_jax.runtime.stop_signals import StopSignal
+    from clip_jax.training import command
+
+    pattern, model = fashion_mnist_shards(512)
+    flags = ["--train-data", pattern, "--model", model, "--train-num-samples", "256", "--workers", "0",
+             "--batch-size", "8", "--epochs", "1", "--lr", "3e-3", "--warmup", "2",
+             "--beta2", "0.98", "--eps", "1e-6", "--precision", "fp32", "--log-every-n-steps", "1",
+             "--logs", str(tmp_path / "open_clip"), "--name", "run"]
+    assert open_clip_command.main(flags) == 0
+    config = tiny_config((pattern, model), tmp_path / "config", train_num_samples=256, warmup=2, save_every_steps=0)
+    command.run_task(config, "pretraining", StopSignal())
+    started_with_flags = losses(tmp_path / "open_clip" / "run")
+    assert len(started_with_flags) == 4 and started_with_flags == losses(tmp_path / "config" / "run")
