@@ -175,11 +175,16 @@ def test_a_config_file_prints_its_open_clip_line_then_the_fields_without_a_flag(
     assert "# no OpenCLIP flag: keep=5" in unflagged and "# no OpenCLIP flag: resume='latest'" not in unflagged
 
 
+def readme_table() -> list[str]:
+    """The README's table of the flags, as `FLAGS` has them: the mapped ones, the no-ops, the refused."""
+    return [f"| `{flag.option}` | {kind} | {f'`{flag.field}`' if flag.field else ''} | {flag.why} |"
+            for kind in (MAPPED, NO_OP, REFUSED) for flag in sorted(FLAGS.values(), key=lambda flag: flag.name)
+            if flag.kind == kind]
+
+
 def test_the_readme_table_shows_every_flag_as_classified():
     readme = open(os.path.join(REPO, "README.md")).read().split("### From an OpenCLIP script", 1)[1]
-    rows = {row.split("|")[1].strip(" `"): row.split("|")[2].strip() for row in readme.splitlines()
-            if row.startswith("| `--")}
-    assert rows == {flag.option: flag.kind for flag in FLAGS.values()}
+    assert [row for row in readme.split("\n### ")[0].splitlines() if row.startswith("| `--")] == readme_table()
 
 
 @pytest.mark.slow
@@ -200,3 +205,14 @@ def test_a_run_started_with_open_clip_flags_is_the_run_its_config_starts(fashion
     command.run_task(config, "pretraining", StopSignal())
     started_with_flags = losses(tmp_path / "open_clip" / "run")
     assert len(started_with_flags) == 4 and started_with_flags == losses(tmp_path / "config" / "run")
+
+
+def test_an_evaluation_frequency_of_0_means_never_as_in_open_clip(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config, _ = dry_run(["--imagenet-val", "/val", "--val-data", "/v.tar", "--zeroshot-frequency", "0"], capsys)
+    assert (config["zeroshot_data"], config["val_data"]) == ("", "/v.tar")
+    config, _ = dry_run(["--imagenet-val", "/val", "--val-data", "/v.tar", "--val-frequency", "0"], capsys)
+    assert (config["zeroshot_data"], config["val_data"]) == ("/val", "")
+    at_the_end = default_config()
+    at_the_end.update(zeroshot_data="/val", zeroshot_frequency=0, epochs=7)
+    assert "--zeroshot-frequency=7" in open_clip_config.command_line(at_the_end)[0]

@@ -84,11 +84,12 @@ def _keep(args) -> int:
 CONVERSIONS = {
     "train_data": lambda a: {"train_data": a.train_data or ""},
     "train_data_upsampling_factors": lambda a: {"train_data_upsampling_factors": a.train_data_upsampling_factors or ""},
-    "val_data": lambda a: {"val_data": a.val_data or ""},
+    # OpenCLIP's frequency 0 evaluates never, clip_jax's only at the end: never is no data
+    "val_data": lambda a: {"val_data": (a.val_data or "") if a.val_frequency else ""},
     "train_num_samples": lambda a: {"train_num_samples": a.train_num_samples or 0},
     "val_num_samples": lambda a: {"val_num_samples": a.val_num_samples or 0},
     "dataset_type": lambda a: {"dataset_type": _dataset_type(a)},
-    "imagenet_val": lambda a: {"zeroshot_data": a.imagenet_val or ""},
+    "imagenet_val": lambda a: {"zeroshot_data": (a.imagenet_val or "") if a.zeroshot_frequency else ""},
     "aug_cfg": lambda a: {"aug_cfg": _aug_cfg(a.aug_cfg)},
     "batch_size": lambda a: {"batch_size": a.batch_size * a.accum_freq},
     "grad_clip_norm": lambda a: {"grad_clip_norm": a.grad_clip_norm or 0.0},
@@ -185,6 +186,9 @@ REVERSE = {
     "precision": lambda c: OPEN_CLIP_PRECISIONS.get(c.precision),
     "delete_previous_checkpoint": lambda c: c.keep == 1,
     "report_to": lambda c: None if c.report_to == "none" else c.report_to,
+    # clip_jax's 0 (only at the end): OpenCLIP evaluates every N epochs and at the last
+    "zeroshot_frequency": lambda c: c.zeroshot_frequency or c.epochs,
+    "val_frequency": lambda c: c.val_frequency or c.epochs,
 }
 
 
@@ -216,8 +220,10 @@ def command_line(config: ml_collections.ConfigDict) -> tuple[list[str], list[str
 
 def flag_fields(config: ml_collections.ConfigDict) -> set[str]:
     """The fields of `config` OpenCLIP's flags carry: every mapped flag's, but `keep` other than 1 (OpenCLIP keeps
-    one checkpoint or all), a precision OpenCLIP lacks (fp8) and an empty `name` (OpenCLIP makes one)."""
+    one checkpoint or all), a precision OpenCLIP lacks (fp8), an empty `name` (OpenCLIP makes one) and an evaluation
+    frequency 0 (only at the end: OpenCLIP's is the number of epochs)."""
     fields = {flag.field for flag in FLAGS.values() if flag.kind == MAPPED}
+    fields -= {field for field in ("zeroshot_frequency", "val_frequency") if not config[field]}
     if config.keep != 1:
         fields.discard("keep")
     if config.precision not in OPEN_CLIP_PRECISIONS:

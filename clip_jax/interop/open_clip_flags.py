@@ -50,7 +50,7 @@ FLAGS = _flags(
     # Data.
     ("train_data", MAPPED, "train_data", "as is ('::' joins sources)"),
     ("train_data_upsampling_factors", MAPPED, "train_data_upsampling_factors", "as is"),
-    ("val_data", MAPPED, "val_data", "as is"),
+    ("val_data", MAPPED, "val_data", "as is; none with --val-frequency 0 (never)"),
     ("train_num_samples", MAPPED, "train_num_samples", "none: 0 (counted from the shards' stats)", None, int),
     ("val_num_samples", MAPPED, "val_num_samples", "none: 0 (all)", None, int),
     ("dataset_type", MAPPED, "dataset_type", "auto: csv for a .csv/.tsv train_data, else webdataset", "auto",
@@ -59,7 +59,8 @@ FLAGS = _flags(
     ("csv_separator", MAPPED, "csv_separator", "as is", "\t"),
     ("csv_img_key", MAPPED, "csv_img_key", "as is", "filepath"),
     ("csv_caption_key", MAPPED, "csv_caption_key", "as is", "title"),
-    ("imagenet_val", MAPPED, "zeroshot_data", "the image folder zero-shot evaluates on"),
+    ("imagenet_val", MAPPED, "zeroshot_data", "the image folder zero-shot evaluates on; none with "
+     "--zeroshot-frequency 0 (never)"),
     ("imagenet_v2", REFUSED, "zeroshot_data", "one zero-shot set per run: give ImageNet-v2 to python -m "
      "clip_jax.zeroshot"),
     ("workers", MAPPED, "workers", "per GPU there, per process here: times the devices per process", 4, int),
