@@ -216,3 +216,11 @@ def test_an_evaluation_frequency_of_0_means_never_as_in_open_clip(capsys, tmp_pa
     at_the_end = default_config()
     at_the_end.update(zeroshot_data="/val", zeroshot_frequency=0, epochs=7)
     assert "--zeroshot-frequency=7" in open_clip_config.command_line(at_the_end)[0]
+
+
+def test_a_config_problem_names_the_open_clip_flag_to_change(capsys, tmp_path):
+    argv = ["--dataset-type", "synthetic", "--train-num-samples", "64", "--batch-size", "8", "--epochs", "4",
+            "--warmup", "100", "--workers", "0", "--logs", str(tmp_path)]  # 8 devices: 4 steps of 64
+    assert open_clip_command.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("the largest warmup that fits is 3: --warmup=3, or "
+                                                            "train for more steps")

@@ -4,6 +4,7 @@ command line (to run both frameworks side by side): the conversions of `open_cli
 import argparse
 import math
 import os
+import re
 import time
 
 import ml_collections
@@ -161,6 +162,13 @@ def run_config(args: argparse.Namespace, devices_per_process: int = 1) -> ml_col
             c[key] = value
     c.workers = args.workers * devices_per_process
     return c
+
+
+def in_open_clip_terms(message: str) -> str:
+    """`message` with each `--config.FIELD=` that an OpenCLIP flag sets to the same value written as that flag."""
+    same = {flag.field: flag.option for flag in FLAGS.values() if flag.kind == MAPPED and flag.name != "workers"
+            and (flag.name not in CONVERSIONS or flag.name in ("name", "resume"))}
+    return re.sub(r"--config\.(\w+)=", lambda m: f"{same[m[1]]}=" if m[1] in same else m[0], message)
 
 
 def open_clip_name(args: argparse.Namespace, stamp: float) -> str:

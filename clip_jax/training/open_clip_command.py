@@ -17,7 +17,7 @@ import time
 
 import ml_collections
 
-from clip_jax.errors import InvalidInput, MissingInput
+from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import open_clip_config, open_clip_flags
 from clip_jax.runtime import entry, storage
 from clip_jax.runtime.stop_signals import StopSignal
@@ -53,7 +53,11 @@ def main(argv=None, *, stop: StopSignal | None = None) -> int:
 
         complete(args, config, devices_per_process=jax.local_device_count(), stamp=time_of_process_0())
 
-    command.run_task(config, "pretraining", stop, complete=after_joining)
+    try:
+        command.run_task(config, "pretraining", stop, complete=after_joining)
+    except UserError as e:  # its way out in the flags this run was given
+        e.args = (open_clip_config.in_open_clip_terms(str(e)),)
+        raise
     return 0
 
 
