@@ -13,15 +13,13 @@ from clip_jax.errors import InvalidInput
 from clip_jax.interop.open_clip_flags import GLOBAL_LOSS, FLAGS, MAPPED, NO_OP, REFUSED, WEIGHT_SUFFIXES
 from clip_jax.run_config import default_config
 
-# OpenCLIP's --precision -> clip_jax's policy; pure_bf16 is bf16's, with a line (see `precision_note`)
+# OpenCLIP's --precision -> clip_jax's policy; its bf16 is pure_bf16 here, said in a line (`notes`)
 PRECISIONS = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16", "bf16": "pure_bf16",
               "pure_bf16": "pure_bf16", "fp32": "fp32"}
 OPEN_CLIP_PRECISIONS = {"fp16": "amp", "bf16": "amp_bf16", "pure_bf16": "pure_bf16", "fp32": "fp32"}
 
 
-def _three(values, flag: str):
-    if values is None:
-        return None
+def _three(values, flag: str) -> tuple[float, float, float]:
     if len(values) == 1:
         values = values * 3
     if len(values) != 3:
@@ -76,9 +74,10 @@ def _dataset_type(args) -> str:
 
 
 def _keep(args) -> int:
-    if args.delete_previous_checkpoint:
+    """OpenCLIP keeps every checkpoint it saves unless --delete-previous-checkpoint."""
+    if args.delete_previous_checkpoint or args.save_frequency <= 0:  # frequency 0: the last epoch's only
         return 1
-    return max(1, math.ceil(args.epochs / args.save_frequency) if args.save_frequency > 0 else 1)
+    return max(1, math.ceil(args.epochs / args.save_frequency))
 
 
 # A mapped flag's fields from the whole namespace, where they are not {flag.field: value}.
@@ -126,7 +125,7 @@ def refusal(args: argparse.Namespace) -> str | None:
         return f"--opt {args.opt} is refused: timm's optimizers are not in clip_jax; its opt: adamw, stable_adamw, sgd"
     for flag in FLAGS.values():
         if flag.kind == REFUSED and _given(args, flag.name):
-            nearest = f"; nearest setting: {flag.field}" if flag.field else ""
+            nearest = f"; the nearest clip_jax field: {flag.field}" if flag.field else ""
             return f"{flag.option} is refused: {flag.why}{nearest}"
     return None
 

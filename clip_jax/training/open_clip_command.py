@@ -41,6 +41,7 @@ def main(argv=None, *, stop: StopSignal | None = None) -> int:
     for line in open_clip_config.notes(args):
         print(f"note: {line}", file=sys.stderr)
     config = open_clip_config.run_config(args)
+    refuse_existing_run(config)
     if args.dry_run:
         complete(args, config, devices_per_process=1, stamp=time.time())
         return 0
@@ -51,7 +52,8 @@ def main(argv=None, *, stop: StopSignal | None = None) -> int:
 
         from clip_jax.runtime.processes import time_of_process_0
 
-        complete(args, config, devices_per_process=jax.local_device_count(), stamp=time_of_process_0())
+        complete(args, config, devices_per_process=jax.local_device_count(), stamp=time_of_process_0(),
+                 show=jax.process_index() == 0)
 
     try:
         command.run_task(config, "pretraining", stop, complete=after_joining)
@@ -62,18 +64,25 @@ def main(argv=None, *, stop: StopSignal | None = None) -> int:
 
 
 def complete(args: argparse.Namespace, config: ml_collections.ConfigDict, *, devices_per_process: int,
-             stamp: float) -> None:
-    """The config's per-process workers and OpenCLIP's run name, the run directory checked as OpenCLIP checks it,
-    then the config printed as one JSON object."""
+             stamp: float, show: bool = True) -> None:
+    """The config's per-process workers and OpenCLIP's run name (made from `stamp` without --name), then (`show`:
+    process 0) the config printed as one JSON object."""
     config.workers = args.workers * devices_per_process
+    config.name = config.name or open_clip_config.open_clip_name(args, stamp)
+    if not show:
+        return
     print(f"note: --workers {args.workers} per GPU x {devices_per_process} device(s) per process = workers "
           f"{config.workers}" + (" (assumed: one process per GPU)" if args.dry_run else ""), file=sys.stderr)
-    config.name = config.name or open_clip_config.open_clip_name(args, stamp)
+    print(config.to_json(), flush=True)
+
+
+def refuse_existing_run(config: ml_collections.ConfigDict) -> None:
+    """An existing run directory without --resume latest is refused, as OpenCLIP refuses it. Checked by every
+    process before they join, so before any of them writes there."""
     directory = storage.join(config.logs, config.name)
-    if config.resume != "latest" and storage.exists(directory):
+    if config.name and config.resume != "latest" and storage.exists(directory):
         raise InvalidInput(f"experiment {directory} already exists: give another --name, or --resume latest to "
                            "continue it")
-    print(config.to_json(), flush=True)
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:
