@@ -5,6 +5,7 @@ defaults and parsed values are ours, and the reference run's line gives configs/
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from unittest import mock
@@ -170,8 +171,10 @@ def test_the_open_clip_launch_script_runs_the_reference_line():
 def test_a_config_file_prints_its_open_clip_line_then_the_fields_without_a_flag(capsys):
     assert open_clip_command.main(["--print-open-clip", os.path.join(REPO, "configs", "l14_laion2b.py")]) == 0
     line, *unflagged = capsys.readouterr().out.splitlines()
-    assert line.startswith("python -m open_clip_train.main --train-data=/data/laion2B-en/{00000..23295}.tar ")
-    assert "--precision=amp_bf16" in line.split() and "--imagenet-val=/data/imagenet/val" in line.split()
+    words = shlex.split(line)  # as a shell reads it
+    assert words[:4] == ["python", "-m", "open_clip_train.main", "--train-data=/data/laion2B-en/{00000..23295}.tar"]
+    assert "--precision=amp_bf16" in words and "--imagenet-val=/data/imagenet/val" in words
+    assert "--wd=0.2" not in words  # OpenCLIP's default
     assert "# no OpenCLIP flag: keep=5" in unflagged and "# no OpenCLIP flag: resume='latest'" not in unflagged
 
 

@@ -211,7 +211,7 @@ def command_line(config: ml_collections.ConfigDict) -> tuple[list[str], list[str
         if flag.kind != MAPPED:
             continue
         value = REVERSE[flag.name](config) if flag.name in REVERSE else config[flag.field]
-        if value is None or value is False or value == "":
+        if value is None or value is False or value == "" or value == flag.default:
             continue  # left out: OpenCLIP's default reads back as the same value
         if value is True:
             args.append(flag.option)
@@ -219,7 +219,7 @@ def command_line(config: ml_collections.ConfigDict) -> tuple[list[str], list[str
             args += [flag.option, *map(str, value)]
         else:
             args.append(f"{flag.option}={value}")
-    carried = flag_fields(config)
+    carried = flag_fields(config) | {"zeroshot_frequency", "val_frequency"}  # 0: as the number of epochs
     defaults = default_config()
     unflagged = [f"{key}={config[key]!r}" for key in config if key not in carried and config[key] != defaults[key]]
     return args, unflagged

@@ -12,6 +12,7 @@ stdout as one JSON object, then trained by the same run loop as `python -m clip_
 
 import argparse
 import importlib.util
+import shlex
 import sys
 import time
 
@@ -34,7 +35,7 @@ def main(argv=None, *, stop: StopSignal | None = None) -> int:
     args = open_clip_flags.parse(sys.argv[1:] if argv is None else argv, open_clip_flags.parser(_own_options))
     if args.print_open_clip:
         flags, unflagged = open_clip_config.command_line(load_config(args.print_open_clip))
-        print(" ".join(["python -m open_clip_train.main", *flags]))
+        print(shlex.join(["python", "-m", "open_clip_train.main", *flags]))
         for line in unflagged:
             print(f"# no OpenCLIP flag: {line}")
         return 0
