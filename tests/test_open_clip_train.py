@@ -118,7 +118,7 @@ def test_precision_names_follow_open_clips_meaning(capsys, tmp_path, monkeypatch
                           ("fp32", "fp32")):
         assert dry_run(["--precision", given], capsys)[0]["precision"] == policy
     config, notes = dry_run(["--precision", "bf16"], capsys)
-    assert config["precision"] == "pure_bf16" and "OpenCLIP's keeps those float32" in notes[0]
+    assert config["precision"] == "pure_bf16" and "keeps those float32" in notes[0]
 
 
 def test_an_existing_run_is_refused_unless_resumed(capsys, tmp_path):

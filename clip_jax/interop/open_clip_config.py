@@ -138,10 +138,12 @@ def notes(args: argparse.Namespace) -> list[str]:
         both = "--local-loss --gather-with-grad have" if args.local_loss else "--gather-with-grad has"
         lines.append(f"{both} no effect: {GLOBAL_LOSS}")
     if args.precision == "bf16":
-        lines.append("--precision bf16 runs as pure_bf16: bfloat16 params and compute, LayerNorms and embeddings "
-                     "included, where OpenCLIP's keeps those float32")
+        lines.append("--precision bf16 runs as pure_bf16: every parameter bfloat16, LayerNorms' and embeddings' "
+                     "included, where OpenCLIP's lowers only its Linear, Conv and attention weights and keeps "
+                     "those float32")
     if args.seed != FLAGS["seed"].default:
-        lines.append(f"--seed {args.seed}: {FLAGS['seed'].why}")
+        lines.append(f"--seed {args.seed} seeds the whole run: OpenCLIP's per-rank offset (seed + rank) has no effect, "
+                     "one program runs over all devices")
     return lines
 
 
