@@ -150,6 +150,7 @@ def test_a_config_reads_back_from_its_open_clip_line(tmp_path):
     assert "on_instability='rollback_fp32'" in open_clip_config.command_line(l14)[1]
 
 
+@pytest.mark.subprocess
 def test_the_command_prints_one_json_object_and_says_no_ops_on_stderr(tmp_path):
     run = subprocess.run([sys.executable, "-m", "clip_jax.open_clip_train", *REFERENCE, "--dry-run"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
@@ -158,6 +159,7 @@ def test_the_command_prints_one_json_object_and_says_no_ops_on_stderr(tmp_path):
     assert all(line.startswith("note: ") for line in run.stderr.splitlines())
 
 
+@pytest.mark.subprocess
 def test_the_open_clip_launch_script_runs_the_reference_line():
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "CLIP_JAX_"))}
     env.update(SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="1", SLURM_JOB_NAME="l14", SLURM_SUBMIT_DIR=REPO)
