@@ -8,7 +8,9 @@ there was anything to save (one line each)."""
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
+import ml_collections
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
@@ -43,7 +45,14 @@ def main(argv, *, task: str = "pretraining", stop: StopSignal | None = None) -> 
     config = _CONFIG.value
     if config is None:
         raise InvalidInput(f"give a config: --config {EXAMPLES[task]}")
-    stop = stop or StopSignal()
+    run_task(config, task, stop or StopSignal())
+    return 0
+
+
+def run_task(config, task: str, stop: StopSignal, complete: Callable[[ml_collections.ConfigDict], None] | None = None
+             ) -> None:
+    """Runs `config` as a run of `task`; `complete(config)`, where given, fills in what is known only once the
+    processes have joined (OpenCLIP's run name: `clip_jax.training.open_clip_command`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     absl_logging.set_verbosity(absl_logging.WARNING)  # jax's backend probing is not news
@@ -53,11 +62,12 @@ def main(argv, *, task: str = "pretraining", stop: StopSignal | None = None) -> 
         # the processes then agree on it (a process that left before joining would keep the others waiting).
         joined = initialize_from_environment()
         stop.raise_if_received("while the processes joined" if joined else "while the trainer loaded")
+        if complete is not None:
+            complete(config)
         with storage_faults.quiet_orbax_records():  # the run tells a full disk in one line
             train(config, stop=stop)
     finally:
         stop.restore()
-    return 0
 
 
 def check_task(config, task: str) -> None:
