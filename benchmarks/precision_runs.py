@@ -4,8 +4,9 @@
                                         [--lab-samples 5120] [--out DIR]
 
 demo: `python -m clip_jax.train --config configs/demo.py --config.precision=P --config.seed=S` in a fresh log
-      directory; from its metrics.jsonl, the last logged training loss and the final zero-shot top-1 and top-5 on
-      the 10,000 Fashion-MNIST test images.
+      directory; from its metrics.jsonl, the last logged training loss, the final zero-shot top-1 and top-5 on
+      the 10,000 Fashion-MNIST test images, the median logged training speed (samples/s, this machine's), and under
+      a loss-scaled policy (fp16) the steps skipped for an overflow and the final loss scale.
 lab:  `benchmarks/instability_lab.py --treatments baseline --set precision=P --set seed=S` (configs/demo_unstable.py
       at precision P instead of its pure_bf16): final loss (mean of the last 5 steps), lowest loss, spikes, the
       largest jump and zero-shot top-1 on the first 1,000 test images.
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,21 +32,27 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo.py"
 LAB = REPO / "benchmarks" / "instability_lab.py"
-METRICS = {"demo": ("final_loss", "zeroshot_top1", "zeroshot_top5"),
+METRICS = {"demo": ("final_loss", "zeroshot_top1", "zeroshot_top5", "samples_per_s"),
            "lab": ("final_loss", "min_loss", "spikes", "largest_jump", "zeroshot_top1")}
 
 
 def read_demo_metrics(path: pathlib.Path) -> dict:
-    """The last logged training loss, its step, and the last zero-shot top-1/top-5 of a run's metrics.jsonl."""
-    row = {}
+    """The last logged training loss, its step, the last zero-shot top-1/top-5, the median logged samples/s, and
+    the last logged loss scale and count of steps skipped for an overflow (absent without a loss scale) of a run's
+    metrics.jsonl."""
+    row, speeds = {}, []
     with open(path) as f:
         for line in f:
             record = json.loads(line)
             if "loss" in record and "event" not in record:
                 row["final_loss"], row["final_loss_step"] = record["loss"], record["step"]
-            for key in ("zeroshot_top1", "zeroshot_top5"):
+                if "samples_per_sec" in record:
+                    speeds.append(record["samples_per_sec"])
+            for key, name in (("zeroshot_top1",) * 2, ("zeroshot_top5",) * 2, ("loss_scale", "final_loss_scale"),
+                              ("overflow", "skipped_steps")):
                 if key in record:
-                    row[key] = record[key]
+                    row[name] = record[key]
+    row["samples_per_s"] = statistics.median(speeds) if speeds else float("nan")
     return row
 
 
@@ -81,8 +89,9 @@ def measured(part: str, precision: str, seed: int, args, parts: pathlib.Path) ->
     row = run_demo(precision, seed) if part == "demo" else run_lab(precision, seed, args.lab_samples)
     row = {"part": part, "precision": precision, "seed": seed, **row, "wall_s": time.perf_counter() - start}
     path.write_text(json.dumps(row, indent=1))
-    print(f"   {time.perf_counter() - start:.0f} s: " + ", ".join(f"{k} {row[k]:.4g}" for k in METRICS[part]),
-          flush=True)
+    scaled = [f"{k} {row[k]:g}" for k in ("skipped_steps", "final_loss_scale") if k in row]
+    said = [f"{k} {row[k]:.4g}" for k in METRICS[part]] + scaled
+    print(f"   {time.perf_counter() - start:.0f} s: " + ", ".join(said), flush=True)
     return row
 
 
@@ -104,7 +113,7 @@ def print_part(part: str, rows: list[dict], precisions: list[str], seeds: list[i
         mine = [r for r in rows if r["precision"] == precision]
         for seed in seeds:
             r = next(r for r in mine if r["seed"] == seed)
-            print(f"{precision:<10} {seed:>8} " + " ".join(f"{r[m]:>15.4f}" for m in metrics))
+            print(f"{precision:<10} {seed:>8} " + " ".join(f"{r.get(m, math.nan):>15.4f}" for m in metrics))
         summaries[precision] = {m: summary(mine, m) for m in metrics}
         s = summaries[precision]
         print(f"{precision:<10} {'mean':>8} " + " ".join(f"{s[m]['mean']:>15.4f}" for m in metrics))
@@ -115,6 +124,10 @@ def print_part(part: str, rows: list[dict], precisions: list[str], seeds: list[i
     for precision in precisions[1:]:
         verdicts[precision] = {}
         for m in metrics:
+            if m == "samples_per_s":  # a speed, this machine's: compared as a ratio, not a spread
+                ratio = summaries[precision][m]["mean"] / summaries[reference][m]["mean"]
+                print(f"{precision} mean samples/s {ratio:.3f}x {reference}'s, on this machine in this run")
+                continue
             ref, mean = summaries[reference][m], summaries[precision][m]["mean"]
             inside = ref["min"] - 1e-9 <= mean <= ref["max"] + 1e-9  # a mean of equal values may round below them
             verdicts[precision][m] = inside
