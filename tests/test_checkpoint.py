@@ -72,6 +72,9 @@ def test_a_full_disk_leaves_no_writer_threads_or_closed_event_loops_traceback_be
     reached = []  # what the hooks in place before (Python's, which print a traceback) were handed
     monkeypatch.setattr(threading, "excepthook", lambda args: reached.append(args.exc_value))
     monkeypatch.setattr(sys, "unraisablehook", lambda args: reached.append(args.exc_value))
+    # as a command's process starts: a run stopped by an error earlier in this process (an in-process test's)
+    # leaves its asyncio filter on for the rest of it
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])
     hooks = threading.excepthook, sys.unraisablehook
 
     def thread_dying_of(error):

@@ -4,10 +4,12 @@ defaults and parsed values are ours, and the reference run's line gives configs/
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import subprocess
 import sys
+import threading
 from unittest import mock
 
 import pytest
@@ -223,7 +225,16 @@ def test_an_evaluation_frequency_of_0_means_never_as_in_open_clip(capsys, tmp_pa
     assert "--zeroshot-frequency=7" in open_clip_config.command_line(at_the_end)[0]
 
 
-def test_a_config_problem_names_the_open_clip_flag_to_change(capsys, tmp_path):
+@pytest.fixture
+def process_hooks_restored(monkeypatch):
+    """A run stopped by an error leaves `storage_faults.quiet_orbax_records`' thread and unraisable-error hooks and
+    its asyncio log filter on for the rest of its process; a test that stops one in-process puts them back."""
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", list(logging.getLogger("asyncio").filters))
+
+
+def test_a_config_problem_names_the_open_clip_flag_to_change(capsys, tmp_path, process_hooks_restored):
     argv = ["--dataset-type", "synthetic", "--train-num-samples", "64", "--batch-size", "8", "--epochs", "4",
             "--warmup", "100", "--workers", "0", "--logs", str(tmp_path)]  # 8 devices: 4 steps of 64
     assert open_clip_command.main(argv) == 2

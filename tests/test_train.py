@@ -347,7 +347,7 @@ def test_a_loss_spike_is_caught(shards, tmp_path):
     ({"resume": "/nonexistent/run"}, "resume='/nonexistent/run' does not exist"),
     ({"resume_data": "fresh"}, "resume_data='fresh': choose one of ('exact', 'allow_reseed')"),
     ({"grad_reduce_dtype": "bf16"}, "grad_reduce_dtype='bf16': choose one of ('float32', 'bfloat16')"),
-    ({"residual_dtype": "fp32"}, "residual_dtype='fp32': choose one of ('compute', 'float32')"),
+    ({"residual_dtype": "fp32"}, "residual_dtype='fp32': choose one of ('auto', 'compute', 'float32')"),
     ({"remat_policy": "dots"}, "remat_policy='dots': choose one of ('none', "),
     ({"zeroshot_data": "/nonexistent/val"}, "zeroshot_data='/nonexistent/val'"),
     ({"loss_scale_init": 0.0}, "loss_scale_init=0.0 must be positive (fp16's first loss scale"),

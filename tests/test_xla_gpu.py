@@ -338,7 +338,7 @@ def run_planner(*args, hide_cuda_plugin: bool = False) -> subprocess.CompletedPr
 @pytest.mark.gpu_compile
 @pytest.mark.subprocess
 @pytest.mark.parametrize("args, hide, message", [
-    (["--gpu", "v100", "--gpus", "8"], False, "unknown GPU 'v100'; known: a100-40gb"),
+    (["--gpu", "p100", "--gpus", "8"], False, "unknown GPU 'p100'; known: a100-40gb"),
     (["--gpu", "h100", "--gpus", "384", "--topology", "96x8"], False, "topology 96x8 holds 768 GPUs, not the 384"),
     (["--gpu", "h100", "--gpus", "8", "--compiler", "gpu"], True, "--compiler=gpu needs jaxlib's CUDA plugin"),
 ])
