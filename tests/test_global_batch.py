@@ -18,7 +18,9 @@ from xla_flags import xla_flags
 from clip_jax import data
 from clip_jax.errors import InvalidInput
 from clip_jax.training import trainer as train_lib
-from clip_jax.training.global_batch import SavedBatch, derive_batch
+from clip_jax.runtime.checkpoints import CheckpointMeta
+from clip_jax.training.finetune_config import default_finetune_config
+from clip_jax.training.global_batch import SavedBatch, batch_plan, derive_batch
 from clip_jax.training.optimizer_spec import OptimizerSpec
 from clip_jax.training.schedule import planned_schedule
 
@@ -77,6 +79,20 @@ def test_resume_global_batch_starts_a_new_global_batch_and_says_so():
     assert note.startswith("global batch 64 -> 128 from here (resume_global_batch)")
 
 
+def test_a_fine_tuning_run_keeps_its_global_batch_the_same_way():
+    config = default_finetune_config()  # batch_size 32 per device; no accum_freq, no resume_global_batch
+    meta = CheckpointMeta(step=10, model="m", precision="fp32", global_batch=256, samples_seen=2560, epoch=1.0,
+                          per_device_batch=32, batch_size_given=32, device_count=8, batch_segments=[[0, 0, 256]])
+    plan = batch_plan(config, meta, devices=4, processes=2, step=10, where="checkpoint c/10")
+    assert (plan.per_device, plan.global_batch, plan.segments, plan.given) == (64, 256, ((0, 0, 256),), 32)
+    assert plan.note.startswith("resumed on 2 x 2 devices: batch_size 64 per device, global 256 as saved")
+    assert plan.applied(config).batch_size == 64 and config.batch_size == 32
+    config.batch_size = 16
+    with pytest.raises(InvalidInput, match=r"= 64 changes the global batch 256 .*\(a run's global batch is fixed at "
+                                           r"its start\)$"):
+        batch_plan(config, meta, devices=4, processes=2, step=10, where="checkpoint c/10")
+
+
 # -- the schedule -----------------------------------------------------------------------------------------------
 
 def test_a_re_planned_schedule_ends_at_the_planned_samples_and_counts_epochs_in_samples():
@@ -86,8 +102,11 @@ def test_a_re_planned_schedule_ends_at_the_planned_samples_and_counts_epochs_in_
     assert schedule.samples(5) == 320 and schedule.samples(7) == 320 + 2 * 96
     assert schedule.samples(schedule.total_steps) >= 1024 > schedule.samples(schedule.total_steps - 1)
     assert schedule.epoch(7) == pytest.approx((320 + 192) / 512)
+    # an epoch ends where the planned run's would have: at 512 samples (step 7 here), not at a multiple of 6 steps
+    assert [schedule.epochs_ended(step) for step in range(5, 14)] == [0, 0, 1, 0, 0, 0, 0, 0, 2]
     one = planned_schedule(per_epoch, 2, 64)
     assert (one.total_steps, one.epoch(12), one.samples(12), one.lr_segments()) == (16, 1.5, 768, ())
+    assert [one.epochs_ended(step) for step in (0, 7, 8, 9, 16)] == [0, 0, 1, 0, 2]
 
 
 def test_the_learning_rate_goes_on_by_samples_after_the_global_batch_changes():

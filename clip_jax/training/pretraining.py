@@ -103,7 +103,7 @@ class ClipPretraining:
     def evaluations(self, mesh, schedule, say) -> Evaluations:
         # every process: validation is a collective, and a bad validation set stops the run before it trains
         return Evaluations([*configured(self.config, schedule.global_batch), *self.extra_evaluators],
-                           lambda: eval_setting(self.config, mesh), steps_per_epoch=schedule.steps_per_epoch,
+                           lambda: eval_setting(self.config, mesh), epochs_ended=schedule.epochs_ended,
                            total_steps=schedule.total_steps, say=say)
 
     def eval_weights(self, state):

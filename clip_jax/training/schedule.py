@@ -58,6 +58,14 @@ class Schedule:
             return step / self.steps_per_epoch
         return self.samples(step) / self.epoch_samples
 
+    def epochs_ended(self, step: int) -> int:
+        """The number of the (virtual) epoch that step `step` completes; 0 when it completes none. Counted in
+        samples, so that a changed global batch ends epochs where the planned run would have."""
+        if len(self.segments) == 1:
+            return step // self.steps_per_epoch if step > 0 and step % self.steps_per_epoch == 0 else 0
+        ended = self.samples(step) // self.epoch_samples
+        return ended if step > 0 and ended > self.samples(step - 1) // self.epoch_samples else 0
+
     def lr_segments(self) -> tuple[tuple[int, float, float], ...]:
         """The learning-rate schedule's segments after the first (`optimizer_spec.sample_position`): where each
         starts, its position there and per step, in steps of the first global batch."""

@@ -193,10 +193,9 @@ class Trainer:
                 checkpoints.close()
 
     def _save_due(self) -> bool:
-        c, s, per_epoch = self.config, self.step, self.schedule.steps_per_epoch
+        c, s, ended = self.config, self.step, self.schedule.epochs_ended(self.step)
         every_epochs = c.get("save_frequency", 0)  # 0: not at epoch ends
-        return (s == self.schedule.total_steps
-                or (every_epochs > 0 and s % per_epoch == 0 and (s // per_epoch) % every_epochs == 0)
+        return (s == self.schedule.total_steps or (every_epochs > 0 and ended > 0 and ended % every_epochs == 0)
                 or (c.save_every_steps > 0 and s % c.save_every_steps == 0))
 
     # -- instability ----------------------------------------------------------------------------------------
