@@ -176,6 +176,9 @@ def test_the_same_command_resumed_on_more_devices_trains_to_its_end_at_the_saved
         four_device_run, tmp_path, capsys):
     shards, logs = four_device_run
     reference = losses(logs / "run")
+    saved = saved_meta(logs / "run", 4)
+    assert (saved["global_batch"], saved["samples_seen"], saved["per_device_batch"], saved["device_count"],
+            saved["batch_size_given"], saved["batch_segments"]) == (64, 256, 16, 4, 16, [[0, 0, 64]])
     config = run_config(shards, tmp_path, resume=str(logs / "run" / "checkpoints" / "4"))
     result = train_lib.train(config)
     out = capsys.readouterr().out

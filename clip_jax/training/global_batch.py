@@ -101,7 +101,7 @@ def batch_plan(config, meta, *, devices: int, processes: int, step: int, where: 
     """The run's `BatchPlan` on `devices` devices of `processes` processes, resuming at `step` the checkpoint
     `where` whose record is `meta` (None: a fresh start, or none on record)."""
     if meta is None or not meta.global_batch:
-        return BatchPlan(config.batch_size, config.batch_size * devices)
+        return BatchPlan(config.batch_size, config.batch_size * devices, given=config.batch_size)
     saved = SavedBatch(int(meta.global_batch), meta.per_device_batch, meta.batch_size_given, meta.device_count, where)
     new_global = int(config.get("resume_global_batch", 0) or 0)
     per_device, global_batch, note = derive_batch(config.batch_size, config.get("accum_freq", 1), devices, saved,
