@@ -170,9 +170,10 @@ class Trainer:
             global_batch=self.schedule.global_batch, samples_seen=self.schedule.samples(self.step),
             epoch=self.schedule.epoch(self.step), per_device_batch=self.config.batch_size,
             batch_size_given=self.start.batch.given, device_count=jax.device_count(),
-            batch_segments=[list(segment) for segment in self.schedule.segments], skipped_updates=self.skipped_updates, rollbacks=self.rollbacks,
-            process_count=jax.process_count(), data_seed=self.data_seed, log_window=self.reads.window.state(),
-            overflow_steps=self.overflows.skipped, task=self.task.name, **self.task.meta_fields())
+            batch_segments=[list(segment) for segment in self.schedule.segments],
+            skipped_updates=self.skipped_updates, rollbacks=self.rollbacks, process_count=jax.process_count(),
+            data_seed=self.data_seed, log_window=self.reads.window.state(), overflow_steps=self.overflows.skipped,
+            task=self.task.name, **self.task.meta_fields())
 
     def _saved_data(self):
         return None if self.task.data_by_step else self.data_iter
