@@ -66,8 +66,9 @@ def plan_run_start(config, task, *, process_count: int, now: Callable[[], int],
                    device_count: int | None = None) -> RunStart:
     """The run directory, the checkpoint `config.resume` names, the batch on `device_count` devices (default:
     all) and the data-resume plan of a run of `task`; a ValueError (or `CheckpointNotFoundError`), both
-    `UserError`s, naming the way out when the run cannot start as configured. A run directory holding files of the names a run writes that clip_jax did not write is refused
-    (`ownership.ForeignFiles`). `now()`: the time that names a run without a name (see `run_name`)."""
+    `UserError`s, naming the way out when the run cannot start as configured. A run directory holding files of the
+    names a run writes that clip_jax did not write is refused (`ownership.ForeignFiles`). `now()`: the time that
+    names a run without a name (see `run_name`)."""
     devices = jax.device_count() if device_count is None else device_count
     directory = RunDirectory(storage.absolute(storage.join(config.logs, run_name(config, now))), task.entries)
     directory.refuse_foreign(writing=f"the {task.noun} {directory.name!r}")
