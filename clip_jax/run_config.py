@@ -126,6 +126,11 @@ def default_config() -> ml_collections.ConfigDict:
     # saved it); "allow_reseed": the same when possible, else restore the train state only and read on with new
     # data iterators seeded from (seed, step): no replay of the run's first samples
     c.resume_data = "exact"
+    # A run's global batch (batch_size x devices at its start) and schedule are kept on resume, on any device count
+    # that divides it (batch_size re-derived per device). N > 0: continue at global batch N from the checkpoint's
+    # samples, the remaining steps re-planned to end at the planned sample count, the learning rate going on by
+    # samples (0: keep the run's)
+    c.resume_global_batch = 0
     c.save_frequency = 1  # save every this many (virtual) epochs
     c.save_every_steps = 0  # and every this many steps (0: off)
     c.keep = 3  # checkpoints kept

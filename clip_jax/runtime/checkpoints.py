@@ -59,6 +59,12 @@ class CheckpointMeta:
     log_window: dict | None = None
     data_filter: dict | None = None
     task: str | None = None  # what the run trained ("pretraining", "fine-tuning": clip_jax.training.task)
+    # the batch the run trains at (training.global_batch): per device, the config's batch_size that gave it, the
+    # device count; and the schedule's segments [first step, samples seen before it, global batch] (training.schedule)
+    per_device_batch: int | None = None
+    batch_size_given: int | None = None
+    device_count: int | None = None
+    batch_segments: list | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -55,7 +55,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
                   "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency",
-                  "linear_probe_frequency"):
+                  "linear_probe_frequency", "resume_global_batch"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     if not c.loss_scale_init > 0:
@@ -67,6 +67,9 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
                         "config's patch_dropout")
     if c.batch_size >= 1 and c.accum_freq >= 1 and c.batch_size % c.accum_freq:
         problems.append(f"batch_size={c.batch_size} (per device) is not divisible by accum_freq={c.accum_freq}")
+    if c.resume_global_batch > 0 and c.resume_global_batch % num_devices:
+        problems.append(f"resume_global_batch={c.resume_global_batch} does not divide over {num_devices} devices: "
+                        f"give a multiple of {num_devices} (0: keep the run's global batch)")
     if num_devices % process_count:
         problems.append(f"{num_devices} devices do not split evenly over {process_count} processes")
     if len(c.image_mean) != 3 or len(c.image_std) != 3:

@@ -39,11 +39,12 @@ def eval_model(config):
     return as_trained(with_run_tokenizer(get_model_config(config.model), config), image_size=config.force_image_size)
 
 
-def epoch_due(step: int, steps_per_epoch: int, frequency: int, total_steps: int) -> bool:
-    """Whether an evaluation run every `frequency` epochs (0: never during training) is due after `step`."""
-    if not frequency or step == total_steps or step % steps_per_epoch:
+def epoch_due(step: int, epochs_ended: int, frequency: int, total_steps: int) -> bool:
+    """Whether an evaluation run every `frequency` epochs (0: never during training) is due after `step`, which
+    completes epoch number `epochs_ended` (0: none; `Schedule.epochs_ended`)."""
+    if not frequency or step == total_steps or not epochs_ended:
         return False
-    return (step // steps_per_epoch) % frequency == 0
+    return epochs_ended % frequency == 0
 
 
 def eval_batch_size(mesh) -> int:
@@ -133,9 +134,10 @@ class Evaluations:
     """A run's evaluations (`scheduled`), made at their first use from the `EvalSetting` that `setting()` makes
     (once); `say` prints a result line (process 0's console)."""
 
-    def __init__(self, scheduled: Sequence[Scheduled], setting: Callable[[], EvalSetting], *, steps_per_epoch: int,
-                 total_steps: int, say: Callable[[str], None]):
-        self.say, self.steps_per_epoch, self.total_steps = say, steps_per_epoch, total_steps
+    def __init__(self, scheduled: Sequence[Scheduled], setting: Callable[[], EvalSetting], *,
+                 epochs_ended: Callable[[int], int], total_steps: int, say: Callable[[str], None]):
+        """`epochs_ended(step)`: the epoch that step completes, 0 when none (`Schedule.epochs_ended`)."""
+        self.say, self.epochs_ended, self.total_steps = say, epochs_ended, total_steps
         self.scheduled = {s.name: s for s in scheduled}
         self.evaluators: dict[str, Evaluator] = {}  # made at first use
         self._make_setting, self._setting = setting, None
@@ -154,7 +156,7 @@ class Evaluations:
     def due(self, step: int) -> tuple[str, ...]:
         """The evaluations due after `step`."""
         return tuple(name for name, s in self.scheduled.items()
-                     if epoch_due(step, self.steps_per_epoch, s.frequency, self.total_steps))
+                     if epoch_due(step, self.epochs_ended(step), s.frequency, self.total_steps))
 
     def evaluator(self, name: str) -> Evaluator:
         if name not in self.evaluators:

@@ -160,7 +160,7 @@ class ClassificationFinetuning:
 
     def evaluations(self, mesh, schedule, say) -> Evaluations:
         setting = lambda: EvalSetting(self.step.model, mesh, self.mean, self.std, eval_batch_size(mesh))  # noqa: E731
-        return Evaluations(self.extra_evaluators, setting, steps_per_epoch=schedule.steps_per_epoch,
+        return Evaluations(self.extra_evaluators, setting, epochs_ended=schedule.epochs_ended,
                            total_steps=schedule.total_steps, say=say)
 
     def eval_weights(self, state) -> dict:

@@ -39,6 +39,7 @@ class ClipPretraining:
     def __init__(self, config, evaluators: Sequence[Scheduled] = ()):
         self.config, self.extra_evaluators = config, tuple(evaluators)
         self.shards = self.platform_spec = self.mesh = None
+        self.segments = ()  # the global batches of the run so far (`training.schedule`), from where it starts
 
     def check(self) -> None:
         config = self.config
@@ -64,6 +65,7 @@ class ClipPretraining:
 
     def check_start(self, start) -> None:
         check_run_tokenizer(start.directory, self.tokenizer_folder, resuming=start.resume_from is not None)
+        self.segments = start.batch.segments
 
     def keep_files(self, directory) -> None:
         keep_run_tokenizer(directory, self.tokenizer_folder)
@@ -76,7 +78,7 @@ class ClipPretraining:
 
     def build(self, precision: str | None = None):
         if self.mesh is None:
-            self.schedule = make_schedule(self.config, jax.device_count(), self.shards)
+            self.schedule = make_schedule(self.config, jax.device_count(), self.shards, self.segments)
             # an FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py)
             self.mesh = mesh_for(self.platform_spec)
         step = build_step(step_spec(self.config, self.schedule, self.mesh, precision=precision), self.mesh)
@@ -101,7 +103,7 @@ class ClipPretraining:
     def evaluations(self, mesh, schedule, say) -> Evaluations:
         # every process: validation is a collective, and a bad validation set stops the run before it trains
         return Evaluations([*configured(self.config, schedule.global_batch), *self.extra_evaluators],
-                           lambda: eval_setting(self.config, mesh), steps_per_epoch=schedule.steps_per_epoch,
+                           lambda: eval_setting(self.config, mesh), epochs_ended=schedule.epochs_ended,
                            total_steps=schedule.total_steps, say=say)
 
     def eval_weights(self, state):

@@ -82,8 +82,9 @@ def step_spec(config, schedule, mesh, precision: str | None = None) -> StepSpec:
     """The step `config` trains with on `mesh` for `schedule` ("auto" remat chosen for it, and logged);
     `precision` replaces the config's."""
     device = mesh.devices.flat[0]
-    spec = StepSpec.from_config(config, platform=device.platform, total_steps=schedule.total_steps,
-                                precision=precision, compute_capability=device_compute_capability(device))
+    spec = StepSpec.from_config(config, platform=device.platform, total_steps=schedule.planned_steps,
+                                precision=precision, compute_capability=device_compute_capability(device),
+                                lr_segments=schedule.lr_segments())
     spec, choice = resolve_auto_remat(spec, mesh, int(config.batch_size))
     if choice is not None and jax.process_index() == 0:
         log.info(choice.describe())

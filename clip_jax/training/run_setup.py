@@ -6,7 +6,8 @@ Everything here reads files and the config only (no devices, no Orbax manager; t
 names an unnamed run, is handed in), so a refused resume costs nothing and writes nothing. On another data layout
 (process count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed`
 then restores the train state only and reads on with new data iterators (see `data_resume_plan`). A task whose data position is a function of the step (`Task.data_by_step`) saves none and
-reads on from the step it resumes at, whatever the layout.
+reads on from the step it resumes at, whatever the layout. The run's global batch is the checkpoint's, whatever the
+device count (`global_batch.batch_plan`): the per-device batch is derived from it here.
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, lates
 from clip_jax.runtime.run_directory import RunDirectory, resolve_resume
 from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, METRICS, reported_entries
 from clip_jax.training.config_checks import report_targets
+from clip_jax.training.global_batch import BatchPlan, batch_plan
 from clip_jax.training.policy_state import resume_note
 from clip_jax.training.task import COMMANDS
 
@@ -47,6 +49,7 @@ class RunStart:
     resume_from: tuple[str, int] | None
     meta: CheckpointMeta | None  # the record saved with that checkpoint
     data: DataResume
+    batch: BatchPlan  # the per-device and global batch the run trains at, and its schedule's segments
     notes: tuple[str, ...] = ()  # what the user is told before training
 
     @property
@@ -59,30 +62,37 @@ class RunStart:
         return 0 if self.resume_from is None else self.resume_from[1]
 
 
-def plan_run_start(config, task, *, process_count: int, now: Callable[[], int]) -> RunStart:
-    """The run directory, the checkpoint `config.resume` names and the data-resume plan of a run of `task`; a
-    ValueError (or `CheckpointNotFoundError`), both `UserError`s, naming the way out when the run cannot start as
-    configured. A run directory holding files of the names a run writes that clip_jax did not write is refused
-    (`ownership.ForeignFiles`). `now()`: the time that names a run without a name (see `run_name`)."""
+def plan_run_start(config, task, *, process_count: int, now: Callable[[], int],
+                   device_count: int | None = None) -> RunStart:
+    """The run directory, the checkpoint `config.resume` names, the batch on `device_count` devices (default:
+    all) and the data-resume plan of a run of `task`; a ValueError (or `CheckpointNotFoundError`), both
+    `UserError`s, naming the way out when the run cannot start as configured. A run directory holding files of the
+    names a run writes that clip_jax did not write is refused (`ownership.ForeignFiles`). `now()`: the time that
+    names a run without a name (see `run_name`)."""
+    devices = jax.device_count() if device_count is None else device_count
     directory = RunDirectory(storage.absolute(storage.join(config.logs, run_name(config, now))), task.entries)
     directory.refuse_foreign(writing=f"the {task.noun} {directory.name!r}")
+    fresh = batch_plan(config, None, devices=devices, processes=process_count, step=0, where="")
     if not config.resume:
         if latest_complete_step(directory.checkpoints) is not None:
             raise InvalidInput(f"run directory {directory.path} already has checkpoints: continue it with "
                                "--config.resume=latest, or start another run with --config.name=...")
-        return RunStart(directory, None, None, DataResume(False, config.seed))
+        return RunStart(directory, None, None, DataResume(False, config.seed), fresh)
     checkpoints, step = resolve_resume(config.resume, directory.path)
     if step is None:  # resume=latest with no checkpoint yet
-        return RunStart(directory, None, None, DataResume(False, config.seed),
+        return RunStart(directory, None, None, DataResume(False, config.seed), fresh,
                         (f"no checkpoint in {directory.path} yet: starting fresh",))
     meta, where = read_meta(checkpoints, step), f"{checkpoints}/{step}"
     check_saved_task(task, meta, where)
+    batch = batch_plan(config, meta, devices=devices, processes=process_count, step=step, where=f"checkpoint {where}")
     if task.data_by_step:
-        return RunStart(directory, (checkpoints, step), meta, DataResume(False, config.seed))
+        return RunStart(directory, (checkpoints, step), meta, DataResume(False, config.seed), batch,
+                        tuple(note for note in (batch.note,) if note))
     data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(checkpoints, step)),
                             where=where, step=step, process_count=process_count)
-    notes = (data.note, filter_change_note(config, meta, where), resume_note(meta and meta.precision, config))
-    return RunStart(directory, (checkpoints, step), meta, data, tuple(note for note in notes if note))
+    notes = (batch.note, data.note, filter_change_note(config, meta, where),
+             resume_note(meta and meta.precision, config))
+    return RunStart(directory, (checkpoints, step), meta, data, batch, tuple(note for note in notes if note))
 
 
 def check_saved_task(task, meta: CheckpointMeta | None, where: str) -> None:

@@ -33,8 +33,6 @@ from clip_jax.models.config import as_trained
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
 from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
-from clip_jax.optim.adamw import create_optimizer, warmup_cosine_schedule
-from clip_jax.optim.layer_decay import lr_multipliers, scale_by_layer
 from clip_jax.optim.lock import LockSpec, check_resnet_lock, locked_optimizer, stop_locked_gradients
 from clip_jax.runtime import xla_gpu
 from clip_jax.runtime.mesh import batch_sharding, create_mesh, data_parallel_size, state_shardings
@@ -42,60 +40,10 @@ from clip_jax.text.model_tokenizer import with_run_tokenizer
 from clip_jax.training import classification_step
 from clip_jax.training.loss import LOSSES
 from clip_jax.training.loss_scale import LossScaleSpec
+from clip_jax.training.optimizer_spec import OPTIMIZERS, OptimizerSpec  # noqa: F401  (the names step specs take)
 from clip_jax.training.policy_state import initial_policy_state
 from clip_jax.training.spike_telemetry import every_n_steps, step_telemetry
 from clip_jax.training.train_step import TrainState, init_train_state, make_forward, make_train_step
-
-# stable_adamw: clip_jax.optim.stable_adamw; sgd: plain SGD, the update tests can predict exactly (no moments, no decay)
-OPTIMIZERS = ("adamw", "stable_adamw", "sgd")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSpec:
-    """The optimizer and its learning-rate schedule. Without `total_steps` the rate is constant: enough to compile
-    a step (the schedule's state is one counter either way)."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    warmup: int = 0
-    total_steps: int | None = None
-    weight_decay: float = 0.2
-    b1: float = 0.9
-    b2: float = 0.98
-    eps: float = 1e-6
-    grad_clip_norm: float | None = None  # None: no clipping
-    layer_decay: float = 1.0  # layer-wise learning-rate decay over the image tower (`optim.layer_decay`); 1: off
-
-    def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise InvalidInput(f"optimizer {self.name!r}: choose one of {OPTIMIZERS}")
-
-    @classmethod
-    def from_config(cls, config, total_steps: int | None = None) -> "OptimizerSpec":
-        """The optimizer a run config says (pretraining's or fine-tuning's: `opt` and `layer_decay` where it has
-        them)."""
-        return cls(config.get("opt", "adamw"), lr=config.lr, warmup=config.warmup, total_steps=total_steps,
-                   weight_decay=config.wd, b1=config.beta1, b2=config.beta2, eps=config.eps,
-                   grad_clip_norm=config.grad_clip_norm or None, layer_decay=config.get("layer_decay", 1.0))
-
-    def learning_rate_fn(self) -> Callable:
-        if self.total_steps is None:
-            return optax.constant_schedule(self.lr)
-        return warmup_cosine_schedule(self.lr, self.warmup, self.total_steps)
-
-    def create(self, learning_rate_fn: Callable) -> optax.GradientTransformation:
-        if self.name == "sgd":
-            return optax.sgd(learning_rate_fn)
-        return create_optimizer(learning_rate_fn, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
-                                eps=self.eps, grad_clip_norm=self.grad_clip_norm,
-                                stable=self.name == "stable_adamw")
-
-    def with_layer_decay(self, optimizer: optax.GradientTransformation, params, image_layers: int):
-        """`optimizer`, its updates then scaled by the layer multipliers of `params` (shapes are enough)."""
-        if self.layer_decay == 1:
-            return optimizer
-        return optax.chain(optimizer, scale_by_layer(lr_multipliers(params, self.layer_decay, image_layers)))
-
 
 @dataclasses.dataclass(frozen=True)
 class ClassifierHead:
@@ -181,14 +129,16 @@ class StepSpec:
 
     @classmethod
     def from_config(cls, config, *, platform: str, total_steps: int | None = None,
-                    precision: str | None = None, compute_capability: tuple[int, int] | None = None) -> "StepSpec":
+                    precision: str | None = None, compute_capability: tuple[int, int] | None = None,
+                    lr_segments: tuple = ()) -> "StepSpec":
         """The step a training config describes, for devices of `platform` ("gpu", "cpu") of `compute_capability`
-        (None: unknown), on which "auto" attention depends. `precision` replaces the config's (a rollback)."""
+        (None: unknown), on which "auto" attention depends. `precision` replaces the config's (a rollback);
+        `total_steps` and `lr_segments`: the learning-rate schedule's (`OptimizerSpec`)."""
         precision = precision or config.precision
         if config.fused_kernels == "pallas" and platform != "gpu":
             raise InvalidInput(f"fused_kernels='pallas' compiles Triton kernels for a GPU, not for {platform}: set "
                                "--config.fused_kernels=off (or pallas_interpret, the same kernels interpreted)")
-        optimizer = OptimizerSpec.from_config(config, total_steps)
+        optimizer = OptimizerSpec.from_config(config, total_steps, lr_segments)
         force_patch_dropout = config.force_patch_dropout  # -1: the model config's rate
         model = with_run_tokenizer(get_model_config(config.model), config)  # the tokenizer changes no parameter
         return cls.for_model(model, precision, config.remat_policy if config.grad_checkpointing else "none",

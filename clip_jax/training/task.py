@@ -33,7 +33,8 @@ class Task(Protocol):
 
     def check_start(self, start) -> None:
         """What the task checks of where the run starts (`run_setup.RunStart`), before anything is built or
-        written (pretraining: a resume reads the tokenizer the run kept)."""
+        written (pretraining: a resume reads the tokenizer the run kept, and builds its schedule from the run's
+        global batches, `start.batch.segments`)."""
 
     def keep_files(self, directory) -> None:
         """Writes what the run keeps in its directory besides checkpoints and metrics, on process 0 once its

@@ -17,7 +17,6 @@ checkpoints go to the bucket directly, the appended files are staged locally and
 (`runtime.storage`).
 """
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from clip_jax.runtime.mesh import make_global_batch
 from clip_jax.runtime.stop_signals import CutShort, Stopped, StopSignal
 from clip_jax.training.config_checks import report_targets
 from clip_jax.training.evaluations import Scheduled
+from clip_jax.training.loop_decision import Decision
 from clip_jax.training.run_setup import plan_run_start, unread_saved_fields
 from clip_jax.training.policy_state import initial_policy_state
 from clip_jax.training.stability import (ROLLBACK_PRECISIONS, InstabilityMonitor, OverflowWatch,  # noqa: F401
@@ -44,22 +44,6 @@ log = logging.getLogger("clip_jax.train")
 # Across processes a stop signal is agreed on every this many steps (a collective): at most a few step times of
 # SLURM's warning (launch/: --signal=TERM@300).
 STOP_CHECK_EVERY_STEPS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the loop does after a step: roll back to the last checkpoint (the step whose read showed the problem,
-    and the reason), or stop, or any of log, save and the evaluations due."""
-
-    roll_back: tuple[int, str] | None = None
-    stop: bool = False
-    log: bool = False
-    save: bool = False
-    evaluate: tuple[str, ...] = ()
-
-    @property
-    def due(self) -> bool:
-        return self.stop or self.log or self.save or bool(self.evaluate)
 
 
 class Trainer:
@@ -83,6 +67,8 @@ class Trainer:
         # -- where the run starts: its directory, the checkpoint it continues, how its data resumes
         self.start = plan_run_start(config, self.task, process_count=jax.process_count(),
                                     now=processes.time_of_process_0)
+        # the per-device batch the run's global batch gives on these devices (training.global_batch)
+        config = self.config = self.task.config = self.start.batch.applied(config)
         self.directory = self.start.directory
         self.run_dir = self.directory.path
         self.task.check_start(self.start)
@@ -181,10 +167,13 @@ class Trainer:
     def _meta(self) -> CheckpointMeta:
         return CheckpointMeta(
             step=self.step, model=self.engine.spec.model.name, precision=self.engine.spec.precision,
-            global_batch=self.schedule.global_batch, samples_seen=self.step * self.schedule.global_batch,
-            epoch=self.schedule.epoch(self.step), skipped_updates=self.skipped_updates, rollbacks=self.rollbacks,
-            process_count=jax.process_count(), data_seed=self.data_seed, log_window=self.reads.window.state(),
-            overflow_steps=self.overflows.skipped, task=self.task.name, **self.task.meta_fields())
+            global_batch=self.schedule.global_batch, samples_seen=self.schedule.samples(self.step),
+            epoch=self.schedule.epoch(self.step), per_device_batch=self.config.batch_size,
+            batch_size_given=self.start.batch.given, device_count=jax.device_count(),
+            batch_segments=[list(segment) for segment in self.schedule.segments],
+            skipped_updates=self.skipped_updates, rollbacks=self.rollbacks, process_count=jax.process_count(),
+            data_seed=self.data_seed, log_window=self.reads.window.state(), overflow_steps=self.overflows.skipped,
+            task=self.task.name, **self.task.meta_fields())
 
     def _saved_data(self):
         return None if self.task.data_by_step else self.data_iter
@@ -205,10 +194,9 @@ class Trainer:
                 checkpoints.close()
 
     def _save_due(self) -> bool:
-        c, s, per_epoch = self.config, self.step, self.schedule.steps_per_epoch
+        c, s, ended = self.config, self.step, self.schedule.epochs_ended(self.step)
         every_epochs = c.get("save_frequency", 0)  # 0: not at epoch ends
-        return (s == self.schedule.total_steps
-                or (every_epochs > 0 and s % per_epoch == 0 and (s // per_epoch) % every_epochs == 0)
+        return (s == self.schedule.total_steps or (every_epochs > 0 and ended > 0 and ended % every_epochs == 0)
                 or (c.save_every_steps > 0 and s % c.save_every_steps == 0))
 
     # -- instability ----------------------------------------------------------------------------------------
@@ -299,7 +287,8 @@ class Trainer:
         c, schedule = self.config, self.schedule
         self._say(f"run {self.run_dir}: {self.engine.spec.model.name}, {jax.device_count()} devices, global "
                   f"batch {schedule.global_batch}, {schedule.steps_per_epoch} steps/epoch x {c.epochs} epochs = "
-                  f"{schedule.total_steps} steps, precision {self.engine.spec.precision}" + self.task.details())
+                  f"{schedule.total_steps} steps{schedule.details()}, precision {self.engine.spec.precision}"
+                  + self.task.details())
         stop = self.stop or StopSignal()
         self.reads = StepReads(self.task.averaged, self.start.meta.log_window if self.start.meta else None)
         first_step, first = True, self.step
@@ -390,7 +379,7 @@ class Trainer:
             data_wait_per_step=data_wait / max(steps, 1),
             eta_seconds=remaining * elapsed / max(steps, 1),
             epoch=self.schedule.epoch(self.step),
-            samples_seen=self.step * self.schedule.global_batch,
+            samples_seen=self.schedule.samples(self.step),
         )
         self.outputs.log(self.step, self.schedule.total_steps, self.schedule.epoch(self.step), scalars, telemetry)
 
