@@ -79,6 +79,21 @@ def test_resume_global_batch_starts_a_new_global_batch_and_says_so():
     assert note.startswith("global batch 64 -> 128 from here (resume_global_batch)")
 
 
+def test_resume_global_batch_on_a_fresh_start_is_said_not_acted_on(tmp_path):
+    from clip_jax.run_config import default_config
+    from clip_jax.training.pretraining import ClipPretraining
+    from clip_jax.training.run_setup import plan_run_start
+
+    config = default_config()
+    config.logs, config.name, config.batch_size, config.resume_global_batch = str(tmp_path), "fresh", 16, 128
+    for resume in ("", "latest"):  # a new run, and the relaunch command before its first checkpoint
+        config.resume = resume
+        start = plan_run_start(config, ClipPretraining(config), process_count=1, now=lambda: 0, device_count=4)
+        assert (start.resume_from, start.batch.global_batch, start.batch.per_device) == (None, 64, 16)
+        assert start.notes[-1] == ("resume_global_batch 128 is read when a run resumes: this run starts at step 0 "
+                                   "with global batch 64 (batch_size 16 x 4 devices)")
+
+
 def test_a_fine_tuning_run_keeps_its_global_batch_the_same_way():
     config = default_finetune_config()  # batch_size 32 per device; no accum_freq, no resume_global_batch
     meta = CheckpointMeta(step=10, model="m", precision="fp32", global_batch=256, samples_seen=2560, epoch=1.0,

@@ -73,15 +73,18 @@ def plan_run_start(config, task, *, process_count: int, now: Callable[[], int],
     directory = RunDirectory(storage.absolute(storage.join(config.logs, run_name(config, now))), task.entries)
     directory.refuse_foreign(writing=f"the {task.noun} {directory.name!r}")
     fresh = batch_plan(config, None, devices=devices, processes=process_count, step=0, where="")
+    unused = ((f"resume_global_batch {config.resume_global_batch} is read when a run resumes: this run starts at "
+               f"step 0 with global batch {fresh.global_batch} (batch_size {fresh.per_device} x {devices} devices)",)
+              if config.get("resume_global_batch", 0) else ())
     if not config.resume:
         if latest_complete_step(directory.checkpoints) is not None:
             raise InvalidInput(f"run directory {directory.path} already has checkpoints: continue it with "
                                "--config.resume=latest, or start another run with --config.name=...")
-        return RunStart(directory, None, None, DataResume(False, config.seed), fresh)
+        return RunStart(directory, None, None, DataResume(False, config.seed), fresh, unused)
     checkpoints, step = resolve_resume(config.resume, directory.path)
     if step is None:  # resume=latest with no checkpoint yet
         return RunStart(directory, None, None, DataResume(False, config.seed), fresh,
-                        (f"no checkpoint in {directory.path} yet: starting fresh",))
+                        (f"no checkpoint in {directory.path} yet: starting fresh", *unused))
     meta, where = read_meta(checkpoints, step), f"{checkpoints}/{step}"
     check_saved_task(task, meta, where)
     batch = batch_plan(config, meta, devices=devices, processes=process_count, step=step, where=f"checkpoint {where}")
