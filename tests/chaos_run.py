@@ -123,14 +123,12 @@ def read_save_log(path: str) -> list[dict]:
 
 def save_in_flight(events: list[dict], rank: int, at: float) -> int | None:
     """The step whose save `rank` had begun and not ended at time `at` (time.time()), if any."""
-    flight = []  # a "skipped" takes back the "begin" just before it (the step had been saved)
+    flight = []  # a "skipped" takes back its "begin" (the step had been saved); an "end" or "failed" its own step's
     for e in sorted((e for e in events if e["rank"] == rank and e["t"] <= at), key=lambda e: e["t"]):
         if e["event"] == "begin":
             flight.append(e["step"])
-        elif e["event"] == "skipped":
-            flight.pop()
-        else:
-            flight.clear()
+        elif e["step"] in flight:
+            flight.remove(e["step"])
     return flight[-1] if flight else None
 
 

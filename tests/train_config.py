@@ -126,7 +126,10 @@ def log_saves(path: str) -> None:
     from clip_jax.runtime.checkpoints import RunCheckpoints
 
     save, background = RunCheckpoints.save, async_checkpointer._background_wait_for_commit_futures
-    steps = []
+    # the steps whose saves started and whose background part has not ended, oldest first: a save's background part
+    # ends in the order the saves started, and may end after the next save was asked for (that save waits for it),
+    # so an ending belongs to the oldest step here, not to the newest asked for
+    pending = []
 
     def record(event: str, step: int) -> None:
         line = {"event": event, "step": step, "rank": int(rank()), "t": time.time()}
@@ -134,20 +137,21 @@ def log_saves(path: str) -> None:
             f.write(json.dumps(line) + "\n")
 
     def logged_save(self, step, *args, **kwargs):
-        steps.append(step)  # before the call: its background part may begin, and end, before it returns
+        pending.append(step)  # before the call: its background part may begin, and end, before it returns
         record("begin", step)
         started = save(self, step, *args, **kwargs)
-        if not started:
-            record("skipped", steps.pop())
+        if not started:  # saved before: no background part
+            pending.remove(step)
+            record("skipped", step)
         return started
 
     def logged_background(*args, **kwargs):
         try:
             result = background(*args, **kwargs)
         except BaseException:
-            record("failed", steps[-1] if steps else -1)
+            record("failed", pending.pop(0) if pending else -1)
             raise
-        record("end", steps[-1] if steps else -1)
+        record("end", pending.pop(0) if pending else -1)
         return result
 
     RunCheckpoints.save = logged_save
