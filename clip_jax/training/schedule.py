@@ -53,16 +53,14 @@ class Schedule:
         return samples_at(self.segments, step)
 
     def epoch(self, step: int) -> float:
-        """(Virtual) epochs read once `step` steps are done, counted in samples."""
-        if len(self.segments) == 1:
-            return step / self.steps_per_epoch
+        """(Virtual) epochs read once `step` steps are done, counted in samples (at one global batch, exactly
+        step / steps_per_epoch)."""
         return self.samples(step) / self.epoch_samples
 
     def epochs_ended(self, step: int) -> int:
         """The number of the (virtual) epoch that step `step` completes; 0 when it completes none. Counted in
-        samples, so that a changed global batch ends epochs where the planned run would have."""
-        if len(self.segments) == 1:
-            return step // self.steps_per_epoch if step > 0 and step % self.steps_per_epoch == 0 else 0
+        samples, so that a changed global batch ends epochs where the planned run would have (at one global batch,
+        the steps that are multiples of steps_per_epoch)."""
         ended = self.samples(step) // self.epoch_samples
         return ended if step > 0 and ended > self.samples(step - 1) // self.epoch_samples else 0
 
