@@ -1,7 +1,11 @@
 """Sample keys: batches carry the uint64 hashes of their samples' names only when asked (and are otherwise the
-batches they always were), and the names follow the data (shard order, csv paths, synthetic batch numbers)."""
+batches they always were), the names follow the data (shard order, csv paths, synthetic batch numbers), and a
+global batch's digest is the documented formula, recomputed here from the shard alone, on one process and two."""
 
 import hashlib
+import os
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -11,12 +15,23 @@ from test_data_sources import _write_csv
 
 from clip_jax import data
 from clip_jax.data import transforms
+from clip_jax.training import sample_digest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "launch"))
+import local as local_launch  # noqa: E402
 
 MEAN_STD = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
 
 
 def _hash(name):
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def _formula(values):
+    """sha256 over the values sorted ascending, each 8 little-endian bytes; 16 hex characters."""
+    packed = b"".join(v.to_bytes(8, "little") for v in sorted(values))
+    return hashlib.sha256(packed).hexdigest()[:16]
 
 
 def _dataset(source, global_batch_size=4, sample_keys=False, **cfg):
@@ -62,7 +77,7 @@ def _shard_names(path):
     return [f"{path.name}/{key}" for key in dict.fromkeys(keys)]
 
 
-def test_epoch_keys_follow_the_shard(tmp_path):
+def test_epoch_keys_follow_the_shard_and_digest_as_documented(tmp_path):
     pattern = _write_indexed_shards(tmp_path, 1, 12)
     names = _shard_names(tmp_path / "00000.tar")
     assert len(names) == 12
@@ -70,6 +85,10 @@ def test_epoch_keys_follow_the_shard(tmp_path):
     batches = _batches(ds, 3)
     for t, batch in enumerate(batches):
         np.testing.assert_array_equal(batch["keys"], np.array([_hash(n) for n in names[4 * t:4 * t + 4]], np.uint64))
+    keys = np.concatenate([batches[0]["keys"], batches[1]["keys"]])
+    assert sample_digest.digest(keys) == _formula(_hash(n) for n in names[:8])
+    assert sample_digest.digest(keys[::-1]) == sample_digest.digest(keys)
+    assert sample_digest.digest(keys[:7]) != sample_digest.digest(keys)
 
 
 def test_csv_keys_are_the_image_paths_read(tmp_path):
@@ -94,3 +113,35 @@ def test_synthetic_keys_name_process_batch_and_row():
     resumed = iter(dataset(True))
     resumed.set_state({"batch": 2})
     np.testing.assert_array_equal(next(resumed)["keys"], keyed[2]["keys"])
+
+
+def test_global_digest_on_one_process_is_the_digest_and_keeps_all_64_bits():
+    values = [2**64 - 1, 2**63, 2**63 + 2**32 + 7, 1, 2**32]
+    keys = np.array(values, np.uint64)
+    assert sample_digest.global_digest(keys) == sample_digest.digest(keys) == _formula(values)
+    flipped = keys ^ np.uint64(2**63)  # the same low words: a lost top bit would not change the digest
+    assert sample_digest.global_digest(flipped) == _formula(v ^ 2**63 for v in values) != _formula(values)
+
+
+RANK_DIGEST = """
+import sys
+import numpy as np
+from clip_jax.runtime import processes
+from clip_jax.training import sample_digest
+processes.initialize_from_environment()
+print(sample_digest.global_digest(np.array([int(k) for k in sys.argv[1:]], np.uint64)))
+"""
+
+
+@pytest.mark.slow
+def test_global_digest_of_two_processes_is_the_digest_of_all_their_keys():
+    local_keys = [[2**64 - 1, 3, 2**63], [2**63 + 1, 3, 2**40]]  # a key read by both counts twice
+    port = local_launch.free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_DIGEST, *map(str, keys)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=local_launch.rank_env(os.environ, rank, 2, port, 1, 60))
+             for rank, keys in enumerate(local_keys)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    expected = _formula(local_keys[0] + local_keys[1])
+    assert [out.split()[-1] for out, _ in outputs] == [expected, expected]  # after gloo's own lines
