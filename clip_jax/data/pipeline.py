@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset
+from clip_jax.data.sample_keys import csv_sample_name, sample_key_hashes, shard_sample_name
 from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
 from clip_jax.runtime import private_apis, stop_signals
@@ -30,13 +31,16 @@ log = logging.getLogger(__name__)
 
 
 class DecodedDataset(grain.IterDataset):
-    """Raw samples -> ``{"image": uint8 [S, S, 3], "caption": str}``; undecodable images are skipped and counted."""
+    """Raw samples -> ``{"image": uint8 [S, S, 3], "caption": str, "key": str}``; undecodable images are skipped
+    and counted. ``key``: the sample's name, by ``sample_name`` (:mod:`clip_jax.data.sample_keys`)."""
 
     def __init__(self, parent: grain.IterDataset, *, image_size: int, train: bool, seed: int = 0,
                  scale: Sequence[float] = transforms.TRAIN_SCALE, ratio: Sequence[float] = transforms.TRAIN_RATIO,
-                 max_pixels: int | None = None, augment: transforms.TrainAugment | None = None):
+                 max_pixels: int | None = None, augment: transforms.TrainAugment | None = None,
+                 sample_name: Callable[[webdataset.RawSample], str] = shard_sample_name):
         super().__init__(parent)
         self.image_size, self.train, self.seed, self.max_pixels = image_size, train, seed, max_pixels
+        self.sample_name = sample_name
         self.augment = augment if augment is not None and not augment.plain else None
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
@@ -73,12 +77,13 @@ class DecodedIterator(grain.DatasetIterator):
                     pixels = transforms.train_augment(image, ds.image_size, rng, ds.augment)
                     erase = transforms.random_erasing(rng, ds.image_size, ds.augment.re_prob, ds.augment.re_count)
                     if erase:
-                        return {"image": pixels, "caption": sample.caption, "erase": erase}
+                        return {"image": pixels, "caption": sample.caption, "key": ds.sample_name(sample),
+                                "erase": erase}
                 else:
                     pixels = transforms.train_crop(image, ds.image_size, rng, ds.scale, ds.ratio)
             else:
                 pixels = transforms.eval_crop(image, ds.image_size)
-            return {"image": pixels, "caption": sample.caption}
+            return {"image": pixels, "caption": sample.caption, "key": ds.sample_name(sample)}
 
     def get_state(self) -> dict[str, Any]:
         return {"parent": self._parent.get_state(), "skipped": dict(self.skipped)}
@@ -103,12 +108,14 @@ def clip_tokenize(texts: list[str], context_length: int = 77) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Collate:
-    """Stacks decoded samples into ``{"images": float32 [B, S, S, 3], "tokens": int32 [B, L]}``."""
+    """Stacks decoded samples into ``{"images": float32 [B, S, S, 3], "tokens": int32 [B, L]}``; with ``keys``,
+    also ``"keys": uint64 [B]``, the samples' name hashes (:func:`~clip_jax.data.sample_keys.sample_key_hash`)."""
 
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     context_length: int = 77
     tokenize: Tokenizer = clip_tokenize  # a module-level function, so that worker processes can unpickle it
+    keys: bool = False
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
         images = np.stack([s["image"] for s in samples])  # [B, S, S, 3] uint8
@@ -117,7 +124,10 @@ class Collate:
         for image, sample in zip(images, samples):
             if "erase" in sample:  # timm's random erasing acts on the normalised image
                 transforms.apply_erasing(image, sample["erase"])
-        return {"images": images, "tokens": np.asarray(tokens, np.int32)}
+        batch = {"images": images, "tokens": np.asarray(tokens, np.int32)}
+        if self.keys:
+            batch["keys"] = sample_key_hashes(s["key"] for s in samples)
+        return batch
 
 
 def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
@@ -138,13 +148,15 @@ def build_train_dataset(
     context_length: int = 77,
     tokenize: Tokenizer = clip_tokenize,
     shard_list: Source = None,
+    sample_keys: bool = False,
 ) -> grain.IterDataset:
     """The per-process training dataset (see :func:`build_train_iterator`); ``shard_list``: the run's resolved
-    shards (:func:`resolve_train_shards`), resolved here when not given."""
+    shards (:func:`resolve_train_shards`), resolved here when not given; ``sample_keys``: batches also carry
+    ``"keys"``, uint64 [B_proc] (:mod:`clip_jax.data.sample_keys`)."""
     batch_size = per_process_batch_size(global_batch_size, process_count)
     if cfg.dataset_type == "synthetic":
         return synthetic.SyntheticDataset(batch_size=batch_size, image_size=image_size, context_length=context_length,
-                                          seed=cfg.seed, process_index=process_index)
+                                          seed=cfg.seed, process_index=process_index, keys=sample_keys)
     if shard_list is None:
         shard_list = resolve_train_shards(cfg)
     if cfg.dataset_type == "csv":
@@ -153,7 +165,8 @@ def build_train_dataset(
         if len(shard_list) < process_count * max(cfg.workers, 1):
             raise InvalidInput(f"{cfg.shards} has {len(shard_list)} rows for {process_count} processes x "
                                f"{max(cfg.workers, 1)} workers")
-        return _decode_batch_prefetch(ds, cfg, batch_size, image_size, mean, std, context_length, tokenize)
+        return _decode_batch_prefetch(ds, cfg, batch_size, image_size, mean, std, context_length, tokenize,
+                                      sample_keys)
     if cfg.weights is not None and not cfg.resampled:
         raise InvalidInput("data weights need resampled mode (resampled=True): epoch mode reads every shard once")
     ds = tar_dataset.TarShardDataset(
@@ -167,17 +180,18 @@ def build_train_dataset(
             f"epoch mode needs at least one shard per process x worker: {len(shard_list)} shards for "
             f"{process_count} processes x {max(cfg.workers, 1)} workers; use resampled mode or fewer workers"
         )
-    return _decode_batch_prefetch(ds, cfg, batch_size, image_size, mean, std, context_length, tokenize)
+    return _decode_batch_prefetch(ds, cfg, batch_size, image_size, mean, std, context_length, tokenize, sample_keys)
 
 
 def _decode_batch_prefetch(ds: grain.IterDataset, cfg: TrainDataConfig, batch_size: int, image_size: int,
                            mean: Sequence[float], std: Sequence[float], context_length: int,
-                           tokenize: Tokenizer) -> grain.IterDataset:
+                           tokenize: Tokenizer, sample_keys: bool = False) -> grain.IterDataset:
     """Raw samples -> decoded, augmented, batched (in worker processes when ``cfg.workers`` > 0)."""
+    name = csv_sample_name if isinstance(ds, csv_source.CsvDataset) else shard_sample_name
     ds = DecodedDataset(ds, image_size=image_size, train=True, seed=cfg.seed, max_pixels=cfg.max_image_pixels,
-                        scale=cfg.augment.scale, ratio=cfg.augment.ratio, augment=cfg.augment)
+                        scale=cfg.augment.scale, ratio=cfg.augment.ratio, augment=cfg.augment, sample_name=name)
     ds = ds.batch(batch_size, drop_remainder=True,
-                  batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize))
+                  batch_fn=Collate(tuple(mean), tuple(std), context_length, tokenize, sample_keys))
     if cfg.workers > 0:
         private_apis.let_grain_start_workers()  # outside absl.app.run too
         stop_signals.start_resource_tracker()  # now: its start would let stop signals through to the workers

@@ -5,7 +5,8 @@ the same on every run and the iterator resumes exactly from its state ``{"batch"
 nothing next to the step, the images are drawn once per process from ``(seed, p)`` (already normalised: uniform in
 [-1, 1)) and the same array is handed out with every batch; the tokens are drawn for every batch, laid out as the
 tokenizer lays them out (SOT, random ids, EOT, zero padding). Batches are built in the training process (``workers``
-is not used: there is nothing to decode).
+is not used: there is nothing to decode). With ``keys``, a batch also holds ``"keys"``, uint64 [B]: the hashes of
+the names ``"synthetic/{p}/{n}/{row}"`` (:mod:`clip_jax.data.sample_keys`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import grain
 import numpy as np
+
+from clip_jax.data.sample_keys import sample_key_hashes
 
 SOT, EOT = 49406, 49407
 
@@ -41,10 +44,10 @@ def synthetic_tokens(seed: int, process_index: int, number: int, batch_size: int
 
 class SyntheticDataset(grain.IterDataset):
     def __init__(self, *, batch_size: int, image_size: int, context_length: int, seed: int = 0,
-                 process_index: int = 0):
+                 process_index: int = 0, keys: bool = False):
         super().__init__()
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
-        self.seed, self.process_index = seed, process_index
+        self.seed, self.process_index, self.keys = seed, process_index, keys
 
     def __iter__(self) -> "SyntheticIterator":
         return SyntheticIterator(self)
@@ -64,8 +67,12 @@ class SyntheticIterator(grain.DatasetIterator):
     def __next__(self) -> dict[str, np.ndarray]:
         ds = self._ds
         tokens = synthetic_tokens(ds.seed, ds.process_index, self._number, ds.batch_size, ds.context_length)
+        batch = {"images": self._images, "tokens": tokens}
+        if ds.keys:
+            prefix = f"synthetic/{ds.process_index}/{self._number}"
+            batch["keys"] = sample_key_hashes(f"{prefix}/{row}" for row in range(ds.batch_size))
         self._number += 1
-        return {"images": self._images, "tokens": tokens}
+        return batch
 
     def get_state(self) -> dict[str, Any]:
         return {"batch": self._number}
