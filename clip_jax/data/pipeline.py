@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from clip_jax.data import csv_source, skips, synthetic, tar_dataset, transforms, webdataset
+from clip_jax.data import csv_source, skips, stream_pipeline, synthetic, tar_dataset, transforms, webdataset
 from clip_jax.data.sample_keys import csv_sample_name, sample_key_hashes, shard_sample_name
 from clip_jax.data.train_config import Source, TrainDataConfig, resolve_train_shards
 from clip_jax.errors import InvalidInput
@@ -205,11 +205,25 @@ def build_train_iterator(cfg: TrainDataConfig, **kwargs) -> "TrainIterator":
     """Per-process iterator of ``{"images": float32 [B_proc, S, S, 3], "tokens": int32 [B_proc, L]}``, infinite.
 
     Keyword arguments as :func:`build_train_dataset`: ``global_batch_size``, ``image_size``, ``mean``, ``std``,
-    ``process_index``, ``process_count``, ``context_length``, ``tokenize``, ``shard_list``.
+    ``process_index``, ``process_count``, ``context_length``, ``tokenize``, ``shard_list``. With ``cfg.streams``
+    the data is read as that many streams (:func:`build_streams`; ``start``: their saved states).
     """
+    if cfg.streams:
+        return build_streams(cfg, **kwargs)
     dataset = build_train_dataset(cfg, **kwargs)
     with stop_signals.held_back():
         return TrainIterator(iter(dataset))
+
+
+def build_streams(cfg: TrainDataConfig, *, process_index: int = 0, process_count: int = 1,
+                  start: Mapping[int, Any] | None = None, **kwargs) -> "stream_pipeline.StreamTrainIterator":
+    """This process's iterator over ``cfg.streams`` data streams (:mod:`clip_jax.data.stream_pipeline`), from the
+    saved stream states ``start``; each stream is :func:`build_train_dataset`'s "process s of S" without workers."""
+    make_stream = stream_pipeline.stream_factory(build_train_dataset, cfg.streams,
+                                                 cfg=dataclasses.replace(cfg, workers=0), sample_keys=True, **kwargs)
+    return stream_pipeline.build_stream_iterator(
+        make_stream, streams=cfg.streams, process_index=process_index, process_count=process_count,
+        workers=cfg.workers, prefetch_batches=cfg.prefetch_batches, start=start)
 
 
 class TrainIterator(grain.DatasetIterator):

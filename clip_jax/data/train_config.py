@@ -26,6 +26,7 @@ class TrainDataConfig:
     train_num_samples: int | None = None  # virtual epoch size (None: counted from *_stats.json when present)
     seed: int = 0
     workers: int = 0  # data worker processes per training process (0: read in the training process)
+    streams: int = 0  # data streams of the run (stream_pipeline; 0: one per process x worker, each read by its own)
     shuffle_window: int = 1000  # samples shuffled together, per worker
     shards_in_flight: int = 4  # shards read in turn, per worker
     prefetch_batches: int = 2  # batches buffered per worker
