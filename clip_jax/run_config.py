@@ -122,10 +122,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.logs = "./logs"
     c.name = ""  # run name; "" makes one from the model and the start time
     c.resume = ""  # "latest" (start fresh when there is none), or a checkpoint / run directory
-    # "exact": continue the data stream where the checkpoint left off (needs the process count and workers that
-    # saved it); "allow_reseed": the same when possible, else restore the train state only and read on with new
+    # "exact": continue the data streams where the checkpoint left off (on any process count that divides
+    # data_streams); "allow_reseed": the same when possible, else restore the train state only and read on with new
     # data iterators seeded from (seed, step): no replay of the run's first samples
     c.resume_data = "exact"
+    # The data is read as this many streams, fixed at the run's start (kept by its checkpoints): a multiple of the
+    # process count dividing the global batch; each global batch takes an equal share from every stream, so a resume
+    # on any process count dividing it reads the same samples. 0: chosen to leave room for fewer processes
+    c.data_streams = 0
     # A run's global batch (batch_size x devices at its start) and schedule are kept on resume, on any device count
     # that divides it (batch_size re-derived per device). N > 0: continue at global batch N from the checkpoint's
     # samples, the remaining steps re-planned to end at the planned sample count, the learning rate going on by
@@ -151,6 +155,9 @@ def default_config() -> ml_collections.ConfigDict:
     # tensorboard | wandb | tensorboard,wandb | none (the console always gets progress lines)
     c.report_to = "tensorboard"
     c.log_every_n_steps = 100
+    # each log line's record in metrics.jsonl holds sample_digest: a hash of the step's sample keys (a run read
+    # as data streams; the same on any topology that continues it exactly)
+    c.log_sample_digest = True
     c.peak_tflops_per_device = 0.0  # for MFU; 0: looked up from the device kind
     # Per-block gradient and update RMS, Adam's RMS ratio, the last blocks' q/k weight norms: computed on every
     # log_every_n_steps-th step only, written with the other metrics (clip_jax.training.spike_telemetry)

@@ -3,8 +3,10 @@ losses, same parameters; checkpoints cross the process count (the data position 
 dead process makes its peer exit."""
 
 import dataclasses
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,16 +318,22 @@ def test_ctrl_c_to_a_local_launch_stops_both_ranks_with_a_checkpoint_and_the_run
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_resuming_on_another_process_count_stops_at_the_data_position_it_cannot_carry(two_process_run, tmp_path):
-    # Each process saved its own data-iterator position (process_R-of-2.json); one process reads other shards
-    # in another order, so there is no position to restore and the trainer refuses rather than guess.
+    # A checkpoint of the per-process layout (before data streams: its record names none): each process saved its
+    # own data-iterator position (process_R-of-2.json); one process reads other shards in another order, so there
+    # is no position to restore and the trainer refuses rather than guess.
     config, run_dir, _ = two_process_run
+    older = tmp_path / "older" / "checkpoints"
+    shutil.copytree(run_dir / "checkpoints" / "2", older / "2")
+    meta_file = older / "2" / "meta" / "metadata"
+    meta_file.write_text(json.dumps({k: v for k, v in json.loads(meta_file.read_text()).items()
+                                     if k not in ("data_streams", "epoch_steps")}))
     other = config.copy_and_resolve_references()
     other.unlock()
-    other.resume, other.name, other.logs = str(run_dir / "checkpoints" / "2"), "other", str(tmp_path)
+    other.resume, other.name, other.logs = str(older / "2"), "other", str(tmp_path)
     with pytest.raises(ValueError) as refused:
         train_lib.Trainer(other)
     message = str(refused.value)
-    assert f"checkpoint {run_dir / 'checkpoints'}/2 was saved by 2 processes x 0 data workers" in message
+    assert f"checkpoint {older}/2 was saved by 2 processes x 0 data workers" in message
     assert "this run has 1 process x 0 data workers" in message
     assert "--config.resume_data=allow_reseed" in message
     assert not (tmp_path / "other").exists()  # refused before anything was built or written

@@ -106,7 +106,7 @@ def test_wandb_offline_holds_the_logged_scalars_and_a_resume_continues_the_same_
     assert sorted(history) == sorted(records)
     for step, record in records.items():
         for key, value in record.items():
-            if key != "step":
+            if key != "step" and not isinstance(value, str):  # the sample digest is metrics.jsonl's only
                 assert history[step][key] == pytest.approx(value, rel=1e-12), (step, key)
 
 

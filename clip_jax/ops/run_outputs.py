@@ -121,9 +121,10 @@ class RunOutputs:
                 return
             scalars, line = {**scalars, "replay": 1.0}, {**line, "replay": True}
         self.replays.wrote(step)
+        numbers = {k: v for k, v in scalars.items() if not isinstance(v, str)}  # a digest is for metrics.jsonl
         for writer in (self.tensorboard, self.wandb):
             if writer is not None:
-                writer.write_scalars(step, scalars)
+                writer.write_scalars(step, numbers)
         try:
             with open(self.staged.path(run_layout.METRICS), "a") as f:
                 f.write(json.dumps(line) + "\n")

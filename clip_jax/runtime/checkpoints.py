@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import re
+from typing import Any
 
 import grain
 import jax
@@ -65,6 +66,10 @@ class CheckpointMeta:
     batch_size_given: int | None = None
     device_count: int | None = None
     batch_segments: list | None = None
+    # the data streams the run reads (data.stream_pipeline; None: one per process x worker, as the first
+    # checkpoints), and the steps of an epoch at the run's first global batch (the epoch length stays the run's)
+    data_streams: int | None = None
+    epoch_steps: int | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -234,6 +239,29 @@ def saved_process_count(meta: CheckpointMeta | None, data_iter_files: list[str])
         raise InvalidInput(f"data-iterator files of several process counts {sorted(counts)}: "
                          f"{sorted(data_iter_files)}")
     return counts.pop() if counts else None
+
+
+def read_stream_positions(directory: str, step: int, streams: range, *, data_streams: int,
+                          saved_processes: int) -> dict[int, Any]:
+    """The saved states of `streams` (of a run read as `data_streams` streams, `data.stream_pipeline`) from the
+    data-iterator files of checkpoint `step`, read as plain files: stream s is in the file of the process that
+    owned it, `process_{s // (data_streams / saved_processes)}-of-{saved_processes}.json`, whatever the process
+    count now. A file or stream that is not there is one line naming it."""
+    per_file, files, positions = data_streams // saved_processes, {}, {}
+    for s in streams:
+        name = f"process_{s // per_file}-of-{saved_processes}.json"
+        path = storage.join(directory, str(step), DATA_ITER, name)
+        if name not in files:
+            if not storage.isfile(path):
+                raise InvalidInput(f"checkpoint {directory}/{step} lacks {DATA_ITER}/{name}, the position of data "
+                                   f"stream {s}: resume from a complete checkpoint, or set "
+                                   "--config.resume_data=allow_reseed")
+            files[name] = json.loads(storage.read_text(path)).get("streams", {})
+        if str(s) not in files[name]:
+            raise InvalidInput(f"{path} holds no position for data stream {s} of {data_streams}: it was not saved "
+                               "by a run read as those streams; set --config.resume_data=allow_reseed")
+        positions[s] = files[name][str(s)]
+    return positions
 
 
 def data_iter_files(directory: str, step: int) -> list[str]:

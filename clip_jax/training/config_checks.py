@@ -55,7 +55,7 @@ def check_config(c: ml_collections.ConfigDict, *, num_devices: int, process_coun
             problems.append(f"{field}={c[field]} must be at least 1")
     for field in ("warmup", "workers", "train_num_samples", "save_every_steps", "zeroshot_frequency", "lr", "wd",
                   "grad_clip_norm", "loss_spike_factor", "zeroshot_samples", "val_num_samples", "val_frequency",
-                  "linear_probe_frequency", "resume_global_batch"):
+                  "linear_probe_frequency", "resume_global_batch", "data_streams"):
         if c[field] < 0:
             problems.append(f"{field}={c[field]} must not be negative")
     if not c.loss_scale_init > 0:

@@ -4,6 +4,7 @@ contrastive step (the softmax or sigmoid loss) from `build_step`, the config's e
 the linear probe) and MFU in its log lines. Configs: `clip_jax.run_config`, `configs/demo.py`.
 """
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -11,16 +12,20 @@ import jax
 import numpy as np
 
 from clip_jax import data
+from clip_jax.data import streams as stream_layout
 from clip_jax.models.flops import train_flops
 from clip_jax.models.precision import bf16_recommendation, check_gpu_precision
+from clip_jax.runtime.checkpoints import read_stream_positions
 from clip_jax.runtime.hardware import device_compute_capability, gpu_for_device_kind, peak_flops
 from clip_jax.runtime.run_layout import RUN_ENTRIES, TOKENIZER
 from clip_jax.text.model_tokenizer import tokenizer_for
+from clip_jax.training import data_resume
 from clip_jax.training.config_checks import check_config
 from clip_jax.training.evaluations import Evaluations, Scheduled, configured, eval_setting
 from clip_jax.training.remat_choice import step_spec
 from clip_jax.training.run_setup import check_run_locations, data_filter_settings, run_entries
 from clip_jax.training.run_tokenizer import check_run_tokenizer, keep_run_tokenizer
+from clip_jax.training.sample_digest import global_digest
 from clip_jax.training.schedule import make_schedule
 from clip_jax.training.step_factory import StepSpec, build_step, mesh_for
 
@@ -40,6 +45,7 @@ class ClipPretraining:
         self.config, self.extra_evaluators = config, tuple(evaluators)
         self.shards = self.platform_spec = self.mesh = None
         self.segments = ()  # the global batches of the run so far (`training.schedule`), from where it starts
+        self.data_start, self.epoch_steps, self.streams = None, None, None
 
     def check(self) -> None:
         config = self.config
@@ -66,6 +72,8 @@ class ClipPretraining:
     def check_start(self, start) -> None:
         check_run_tokenizer(start.directory, self.tokenizer_folder, resuming=start.resume_from is not None)
         self.segments = start.batch.segments
+        self.data_start = start.data
+        self.epoch_steps = start.meta.epoch_steps if start.meta is not None else None
 
     def keep_files(self, directory) -> None:
         keep_run_tokenizer(directory, self.tokenizer_folder)
@@ -78,7 +86,9 @@ class ClipPretraining:
 
     def build(self, precision: str | None = None):
         if self.mesh is None:
-            self.schedule = make_schedule(self.config, jax.device_count(), self.shards, self.segments)
+            self.schedule = make_schedule(self.config, jax.device_count(), self.shards, self.segments,
+                                          epoch_steps=self.epoch_steps)
+            self.streams = self._data_streams()
             # an FSDP run whose weights the device count does not divide gets a (replica, data) grid (parallel.py)
             self.mesh = mesh_for(self.platform_spec)
         step = build_step(step_spec(self.config, self.schedule, self.mesh, precision=precision), self.mesh)
@@ -86,10 +96,33 @@ class ClipPretraining:
         self.flops_per_sample = train_flops(step.spec.model)
         return self.schedule, self.mesh, step
 
+    def _data_streams(self) -> int | None:
+        """The run's data streams (None: a checkpoint of the per-process layout read on as it was saved)."""
+        asked = self.data_start.streams if self.data_start is not None else data_resume.CHOOSE
+        if asked is None:
+            return None
+        config, global_batch = self.config, self.schedule.global_batch
+        dealt = config.dataset_type == "csv" or (config.dataset_type == "webdataset" and not config.dataset_resampled)
+        limit = len(self.shards) if dealt else None  # epoch mode's shards (csv rows) are dealt: one per stream at least
+        if asked == data_resume.CHOOSE:
+            return stream_layout.default_streams(global_batch, jax.process_count(), jax.local_device_count(),
+                                                config.workers, limit)
+        stream_layout.check_streams(asked, global_batch, jax.process_count(), limit)
+        return asked
+
     def open_data(self, seed: int, start_step: int):
         config, model = self.config, self.platform_spec.model
+        cfg = data.TrainDataConfig.from_run_config(config, seed=seed)
+        start = None
+        if self.streams:
+            cfg = dataclasses.replace(cfg, streams=self.streams)
+            if self.data_start.positions is not None:
+                checkpoints, step, saved_processes = self.data_start.positions
+                block = stream_layout.owned(self.streams, jax.process_count(), jax.process_index())
+                start = read_stream_positions(checkpoints, step, block, data_streams=self.streams,
+                                              saved_processes=saved_processes)
         return data.build_train_iterator(
-            data.TrainDataConfig.from_run_config(config, seed=seed), shard_list=self.shards,
+            cfg, shard_list=self.shards, start=start,
             global_batch_size=self.schedule.global_batch, image_size=model.vision.image_size,
             mean=tuple(config.image_mean), std=tuple(config.image_std), process_index=jax.process_index(),
             process_count=jax.process_count(), context_length=model.text.context_length,
@@ -120,13 +153,28 @@ class ClipPretraining:
         return samples_per_sec * self.flops_per_sample / (peak * jax.device_count())
 
     def data_scalars(self, data_iter) -> dict:
-        return data.skip_scalars(data_iter.skipped_samples())
+        """The skip counters and, for a run read as data streams, the step's `sample_digest` (a collective: every
+        process logs the same steps)."""
+        scalars = data.skip_scalars(data_iter.skipped_samples())
+        keys = getattr(data_iter, "last_keys", None)
+        if self.streams and keys is not None and self.config.get("log_sample_digest", True):
+            scalars["sample_digest"] = global_digest(keys)
+        return scalars
 
     def meta_fields(self) -> dict:
-        return {"data_workers": self.config.workers, "data_filter": data_filter_settings(self.config)}
+        schedule = self.schedule
+        return {"data_workers": self.config.workers, "data_filter": data_filter_settings(self.config),
+                "data_streams": self.streams, "epoch_steps": schedule.epoch_samples // schedule.first_global_batch}
 
     def details(self) -> str:
-        return ""
+        """The data streams and the process counts that can continue them exactly."""
+        if not self.streams:
+            return ""
+        processes = jax.process_count()
+        counts = [p for p in stream_layout.feasible_process_counts(self.streams, self.schedule.global_batch,
+                                                                  jax.local_device_count())
+                  if processes / 2 <= p <= 2 * processes]
+        return f", {self.streams} data streams (exact resumes on {_listed(counts)} processes, among others)"
 
     def finish(self, state, results: dict, say, record) -> dict:
         return results
@@ -144,3 +192,8 @@ def pretrained_state(step, path: str, say):
     batch_stats = None if abstract.batch_stats is None else in_dtypes(variables["batch_stats"], abstract.batch_stats)
     say(f"params{' and BatchNorm statistics' if batch_stats is not None else ''} from pretrained {path}")
     return step.state_from_params(params, batch_stats)
+
+
+def _listed(counts: Sequence[int]) -> str:
+    """"1, 2 or 4"."""
+    return ", ".join(map(str, counts[:-1])) + (" or " if len(counts) > 1 else "") + str(counts[-1])

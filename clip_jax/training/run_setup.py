@@ -3,10 +3,11 @@ checkpoint's record, and how the data iterators begin (`RunStart`, from `plan_ru
 (`clip_jax.training.task`): a checkpoint another task saved is refused in one line.
 
 Everything here reads files and the config only (no devices, no Orbax manager; the one collective, the clock that
-names an unnamed run, is handed in), so a refused resume costs nothing and writes nothing. On another data layout
-(process count, data workers per process) the data position cannot be restored: `--config.resume_data=allow_reseed`
-then restores the train state only and reads on with new data iterators (see `data_resume_plan`). A task whose data position is a function of the step (`Task.data_by_step`) saves none and
-reads on from the step it resumes at, whatever the layout. The run's global batch is the checkpoint's, whatever the
+names an unnamed run, is handed in), so a refused resume costs nothing and writes nothing. On another topology the
+data streams go on from their saved positions where the processes can own them whole; where they cannot, or for a
+checkpoint of the per-process layout on another layout, `--config.resume_data=allow_reseed` restores the train
+state only and reads on with new data iterators (`training.data_resume`). A task whose data position is a function
+of the step (`Task.data_by_step`) saves none and reads on from the step it resumes at, whatever the layout. The run's global batch is the checkpoint's, whatever the
 device count (`global_batch.batch_plan`): the per-device batch is derived from it here.
 """
 
@@ -27,18 +28,10 @@ from clip_jax.runtime.checkpoints import (CheckpointMeta, data_iter_files, lates
 from clip_jax.runtime.run_directory import RunDirectory, resolve_resume
 from clip_jax.runtime.run_layout import CHECKPOINTS, CONFIG, METRICS, reported_entries
 from clip_jax.training.config_checks import report_targets
+from clip_jax.training.data_resume import DataResume, data_resume_plan, fresh_data, reseeded_data_seed  # noqa: F401
 from clip_jax.training.global_batch import BatchPlan, batch_plan
 from clip_jax.training.policy_state import resume_note
 from clip_jax.training.task import COMMANDS
-
-
-@dataclasses.dataclass(frozen=True)
-class DataResume:
-    """How a resumed run gets its data: the saved iterator position (`restore`) and the seed to build with."""
-
-    restore: bool
-    seed: int
-    note: str = ""  # what the user gets, when the position is not restored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +73,10 @@ def plan_run_start(config, task, *, process_count: int, now: Callable[[], int],
         if latest_complete_step(directory.checkpoints) is not None:
             raise InvalidInput(f"run directory {directory.path} already has checkpoints: continue it with "
                                "--config.resume=latest, or start another run with --config.name=...")
-        return RunStart(directory, None, None, DataResume(False, config.seed), fresh, unused)
+        return RunStart(directory, None, None, fresh_data(config), fresh, unused)
     checkpoints, step = resolve_resume(config.resume, directory.path)
     if step is None:  # resume=latest with no checkpoint yet
-        return RunStart(directory, None, None, DataResume(False, config.seed), fresh,
+        return RunStart(directory, None, None, fresh_data(config), fresh,
                         (f"no checkpoint in {directory.path} yet: starting fresh", *unused))
     meta, where = read_meta(checkpoints, step), f"{checkpoints}/{step}"
     check_saved_task(task, meta, where)
@@ -92,7 +85,8 @@ def plan_run_start(config, task, *, process_count: int, now: Callable[[], int],
         return RunStart(directory, (checkpoints, step), meta, DataResume(False, config.seed), batch,
                         tuple(note for note in (batch.note,) if note))
     data = data_resume_plan(config, meta, saved_process_count(meta, data_iter_files(checkpoints, step)),
-                            where=where, step=step, process_count=process_count)
+                            where=where, step=step, process_count=process_count, device_count=devices,
+                            global_batch=batch.global_batch, checkpoints=checkpoints)
     notes = (batch.note, data.note, filter_change_note(config, meta, where),
              resume_note(meta and meta.precision, config))
     return RunStart(directory, (checkpoints, step), meta, data, batch, tuple(note for note in notes if note))
@@ -141,49 +135,6 @@ def run_name(config, now: Callable[[], int]) -> str:
     stamp = now()
     model = os.path.basename(config.model).removesuffix(".json")
     return f"{model}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}"
-
-
-def reseeded_data_seed(seed: int, step: int) -> int:
-    """The data seed of a run resumed at `step` without its data position: a pure function of (seed, step), so all
-    processes agree and resuming the same step twice reads the same data; unlike `seed` itself it does not replay
-    the samples the run started with."""
-    return int(np.random.SeedSequence([seed, 0xDA7A, step]).generate_state(1)[0])
-
-
-def data_resume_plan(config, meta: CheckpointMeta | None, saved_processes: int | None, *, where: str, step: int,
-                     process_count: int) -> DataResume:
-    """Restore the data position when the checkpoint's data layout (processes x data workers) is this run's.
-
-    Otherwise the position cannot be carried (each process and worker saved its own place in its own shard order):
-    with `resume_data="exact"` that is a ValueError naming the way out; with `"allow_reseed"` the train state alone
-    is restored and new iterators are seeded with `reseeded_data_seed(seed, step)`. In resampled mode they draw
-    fresh shards, statistically the same as continuing; in epoch mode they start a new pass over all shards, in a
-    new order, at this step (the trainer's epoch count goes on by steps, so samples already read in the interrupted
-    epoch may come again before it ends, and some others not at all in it).
-    """
-    saved_workers = meta.data_workers if meta is not None else None  # None: predates the field, not checked
-    if (saved_processes in (None, process_count)
-            and (saved_workers is None or int(saved_workers) == config.workers)):
-        saved_seed = meta.data_seed if meta is not None else None
-        return DataResume(True, int(config.seed if saved_seed is None else saved_seed))
-
-    def layout(processes, workers):
-        text = f"{processes} process" + ("" if processes == 1 else "es")
-        return text + (f" x {workers} data workers" if saved_workers is not None else "")
-
-    saved, here = layout(saved_processes, saved_workers), layout(process_count, config.workers)
-    if config.resume_data != "allow_reseed":
-        raise InvalidInput(
-            f"checkpoint {where} was saved by {saved}, this run has {here}: the data-iterator position is saved "
-            "per process and worker and cannot be carried to another layout. Resume with the layout that saved "
-            "it, or set --config.resume_data=allow_reseed to restore the train state only and read on with new "
-            "data iterators (no replay of the run's first samples)")
-    seed = reseeded_data_seed(config.seed, step)
-    what = ("fresh shard draws" if config.dataset_resampled else
-            "a new pass over all shards in a new order starts at this step")
-    note = (f"data position not restored: checkpoint {where} was saved by {saved}, this run has {here}; "
-            f"new data iterators with seed {seed} (from seed {config.seed} and step {step}): {what}")
-    return DataResume(False, seed, note)
 
 
 def run_entries(config) -> list[str]:

@@ -80,14 +80,22 @@ class Schedule:
 
 
 def make_schedule(config, num_devices: int, shards: data.ShardList | None = None,
-                  segments: tuple[Segment, ...] = ()) -> Schedule:
+                  segments: tuple[Segment, ...] = (), *, epoch_steps: int | None = None) -> Schedule:
     """`shards`: the run's resolved shards (`data.resolve_train_shards`), counted when the config gives no
     train_num_samples (resolved here when not given). `segments`: the run's global batches so far (none: a run at
-    `config.batch_size` x `num_devices` from step 0)."""
+    `config.batch_size` x `num_devices` from step 0). `epoch_steps`: the steps of an epoch at the first global batch
+    as the run's start counted them (saved with its checkpoints; None: counted now), so that a resume with other
+    data workers keeps the run's length."""
     global_batch = config.batch_size * num_devices
     data_config = data.TrainDataConfig.from_run_config(config)
-    return planned_schedule(lambda batch: data.steps_per_epoch(data_config, batch, shards), config.epochs,
-                            global_batch, segments)
+    first = segments[0][2] if segments else global_batch
+
+    def steps_per_epoch(batch: int) -> int:
+        if epoch_steps and batch == first:
+            return int(epoch_steps)
+        return data.steps_per_epoch(data_config, batch, shards)
+
+    return planned_schedule(steps_per_epoch, config.epochs, global_batch, segments)
 
 
 def planned_schedule(steps_per_epoch, epochs: int, global_batch: int, segments: tuple[Segment, ...] = ()) -> Schedule:
