@@ -36,7 +36,8 @@ from xla_flags import FAST_COMPILE
 class Launch:
     """launch/local.py running the trainer, rank 0's output read as it comes (rank 1's: LOG_DIR/rank-1.log)."""
 
-    def __init__(self, config, log_dir: str, env: dict | None = None, heartbeat: int = 10):
+    def __init__(self, config, log_dir: str, env: dict | None = None, heartbeat: int = 10,
+                 topology: tuple[int, int] = (PROCESSES, DEVICES)):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         environment = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60",
@@ -44,8 +45,9 @@ class Launch:
         environment["XLA_FLAGS"] = FAST_COMPILE  # the launcher adds each rank's devices
         # --loopback-mtu 0: the ranks are the launcher's children (rank_pids), in this process's network, where the
         # local S3 server is (with its private loopback where it has one, tests/private_loopback.py)
-        command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(PROCESSES), "--loopback-mtu", "0",
-                   "--devices-per-process", str(DEVICES), "--heartbeat-timeout", str(heartbeat), "--log-dir", log_dir,
+        processes, devices = topology
+        command = [sys.executable, os.path.join(REPO, "launch", "local.py"), str(processes), "--loopback-mtu", "0",
+                   "--devices-per-process", str(devices), "--heartbeat-timeout", str(heartbeat), "--log-dir", log_dir,
                    "--", sys.executable, "-u", "-m", "clip_jax.train", f"--config={REPO}/tests/train_config.py"]
         self.t0 = time.perf_counter()
         self.process = subprocess.Popen(command, env=environment, cwd=REPO, stdout=subprocess.PIPE,
@@ -156,15 +158,17 @@ class Kill:
     lost_checkpoint: bool = False  # the next launch resumed from an older step than one committed before the kill
 
 
-def run_alone(config, workdir: str, *, timeout: float = 600) -> dict:
-    """The run left alone: (seconds to the first step, seconds per step, wall seconds) of its single launch."""
-    launch = Launch(config, os.path.join(workdir, "alone"))
+def run_alone(config, workdir: str, *, timeout: float = 600, topology: tuple[int, int] = (PROCESSES, DEVICES),
+              name: str = "alone") -> dict:
+    """The run left alone: (seconds to the first step, seconds per step, wall seconds) of its single launch on
+    `topology` (processes, devices each)."""
+    launch = Launch(config, os.path.join(workdir, name), topology=topology)
     status = launch.wait(timeout)
     if status is None:
         launch.kill_all()
     launch.save_output()
     if status != 0:
-        raise RuntimeError(f"the run left alone ended with status {status}: {launch.output()[-3000:]}")
+        raise RuntimeError(f"the run {name} ended with status {status}: {launch.output()[-3000:]}")
     steps = [(t, int(m.group(1))) for t, line in launch.lines for m in [STEP_LINE.match(line)] if m]
     (t_first, first), (t_last, last) = steps[0], steps[-1]
     return {"first_step_s": t_first, "step_s": (t_last - t_first) / max(1, last - first), "wall_s": launch.elapsed()}
@@ -303,8 +307,8 @@ def _release(pause: str) -> None:
 
 def final_state(run_dir: str) -> dict:
     """What a finished run left: {"step", "state": {leaf name: array} of its newest complete checkpoint (params,
-    optimizer state, step), "data_position": {file name: text} of each process, "losses": {step: loss}, the last
-    record of each step in metrics.jsonl}. Read with Orbax and the storage layer straight, not the trainer."""
+    optimizer state, step), "data_position": {file name: text} of each process, "losses": {step: loss} and
+    "digests": {step: sample_digest}, from the last record of each step in metrics.jsonl}. Read with Orbax and the storage layer straight, not the trainer."""
     import jax
     import orbax.checkpoint as ocp
     from etils import epath
@@ -324,12 +328,14 @@ def final_state(run_dir: str) -> dict:
     data_dir = storage.join(checkpoints, str(step), "data_iter")
     position = {name: storage.read_text(storage.join(data_dir, name)) for name in storage.listdir(data_dir)
                 if name != storage.COMMIT_FILE}
-    losses = {}
+    losses, digests = {}, {}
     for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
         record = json.loads(line)
         if "loss" in record:
             losses[record["step"]] = record["loss"]
-    return {"step": step, "state": leaves, "data_position": position, "losses": losses}
+        if "sample_digest" in record:
+            digests[record["step"]] = record["sample_digest"]
+    return {"step": step, "state": leaves, "data_position": position, "losses": losses, "digests": digests}
 
 
 def differences(got: dict, expected: dict) -> list[str]:
@@ -349,4 +355,8 @@ def differences(got: dict, expected: dict) -> list[str]:
         steps = sorted(s for s in got["losses"].keys() | expected["losses"].keys()
                        if got["losses"].get(s) != expected["losses"].get(s))
         found.append(f"logged losses differ at steps {steps}")
+    if got["digests"] != expected["digests"]:
+        steps = sorted(s for s in got["digests"].keys() | expected["digests"].keys()
+                       if got["digests"].get(s) != expected["digests"].get(s))
+        found.append(f"the steps' sample digests differ at steps {steps}")
     return found

@@ -3,7 +3,11 @@ end bit for bit as the same run left alone on disk: params, optimizer state, eve
 every step's logged loss. On disk, two launches killed (process 0 while it holds a checkpoint whose every part is
 written but not committed; process 1 at a moment of the training); on the local S3 server, one launch killed while
 a save's arrays are being written (the step folder on the bucket half made, never committed). The driver is
-tests/chaos_run.py; benchmarks/chaos.py makes 20 kills at random moments, on disk and on a bucket."""
+tests/chaos_run.py; benchmarks/chaos.py makes 20 kills at random moments, on disk and on a bucket.
+
+Another topology changes nothing either: the run stopped at step 8 and resumed as 1 process x 4 devices (its data
+streams shared by 2 data workers), as 1 x 2 (with gradient accumulation) and as 4 x 1 reads the same samples at every
+step and logs the same losses, to float32's reduction order."""
 
 import chaos_run
 import local_s3
@@ -11,21 +15,23 @@ import numpy as np
 import pytest
 from trainer_run import tiny_config
 
-RUN = dict(train_num_samples=512, save_every_steps=4, keep=3, resume="latest")  # 2 x 2 devices x 8: 16 steps
+# 2 x 2 devices x 8: 16 steps, half an epoch of 4 shards read as 4 data streams
+RUN = dict(train_num_samples=512, save_every_steps=4, keep=3, resume="latest", data_streams=4)
 BUCKET = "clip-chaos"
 
 
 @pytest.fixture(scope="module")
 def alone(fashion_mnist_shards, tmp_path_factory):
-    """(the shards, the timings of the run left alone on disk, its `final_state`)."""
-    data = fashion_mnist_shards(512)
+    """(the shards, the timings of the run left alone on disk, its `final_state`, its run directory)."""
+    data = fashion_mnist_shards(1024)
     root = tmp_path_factory.mktemp("alone")
     timings = chaos_run.run_alone(tiny_config(data, root / "logs", **RUN), str(root))
     expected = chaos_run.final_state(str(root / "logs" / "run"))
     assert expected["step"] == 16 and sorted(expected["losses"]) == list(range(1, 17))
     assert sorted(expected["data_position"]) == ["process_0-of-2.json", "process_1-of-2.json"]
     assert any("opt_state" in name for name in expected["state"]), sorted(expected["state"])
-    return data, timings, expected
+    assert sorted(expected["digests"]) == list(range(1, 17))
+    return data, timings, expected, root / "logs" / "run"
 
 
 def chaos(config, workdir, kinds, seed, timings) -> dict:
@@ -37,7 +43,7 @@ def chaos(config, workdir, kinds, seed, timings) -> dict:
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_run_killed_twice_and_relaunched_ends_bit_for_bit_as_the_run_left_alone(alone, tmp_path):
-    data, timings, expected = alone
+    data, timings, expected, _ = alone
     kinds = ["commit", "training"]  # seed 3: the third save's commit on rank 0, then rank 1 mid-training
     result = chaos(tiny_config(data, tmp_path / "logs", **RUN), tmp_path / "chaos", kinds, 3, timings)
     kills = result["kills"]
@@ -57,7 +63,7 @@ def test_a_run_killed_twice_and_relaunched_ends_bit_for_bit_as_the_run_left_alon
 def test_a_run_on_a_bucket_killed_mid_save_and_relaunched_ends_bit_for_bit_as_the_run_left_alone(alone, tmp_path):
     """The multi-process agreement on a bucket: the ranks' data positions and shards go to s3://, the relaunch finds
     the newest committed step there and clears the half-written one."""
-    data, timings, expected = alone
+    data, timings, expected, _ = alone
     with local_s3.moto_server() as endpoint, local_s3.bucket_on(endpoint, BUCKET) as s3:
         # seed 0: rank 1 killed while the third save (step 12) writes its arrays
         result = chaos(tiny_config(data, f"s3://{BUCKET}/chaos", **RUN), tmp_path, ["write"], 0, timings)
@@ -68,3 +74,26 @@ def test_a_run_on_a_bucket_killed_mid_save_and_relaunched_ends_bit_for_bit_as_th
         assert local_s3.committed_steps(s3, BUCKET, "chaos/run")[-1] == 16
         got = chaos_run.final_state(f"s3://{BUCKET}/chaos/run")
     assert chaos_run.differences(got, expected) == []
+
+
+TOPOLOGIES = {"1x4": ((1, 4), dict(workers=2)), "1x2": ((1, 2), dict(accum_freq=2)), "4x1": ((4, 1), {})}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_a_run_resumed_on_another_topology_reads_the_same_samples_and_logs_the_same_losses(alone, tmp_path,
+                                                                                       topology):
+    data, _, expected, run_dir = alone
+    (processes, devices), overrides = TOPOLOGIES[topology]
+    config = tiny_config(data, tmp_path / "logs", **{**RUN, **overrides, "name": "moved",
+                                                     "resume": str(run_dir / "checkpoints" / "8")})
+    chaos_run.run_alone(config, str(tmp_path), topology=(processes, devices), name=topology)
+    got = chaos_run.final_state(str(tmp_path / "logs" / "moved"))
+    assert got["step"] == 16 and sorted(got["losses"]) == list(range(9, 17))
+    assert got["digests"] == {s: expected["digests"][s] for s in range(9, 17)}  # the same samples, step by step
+    moved = np.array([got["losses"][s] for s in range(9, 17)])
+    left = np.array([expected["losses"][s] for s in range(9, 17)])
+    print(f"{topology}: largest relative loss difference from the 2 x 2 run, steps 9-16: "
+          f"{np.max(np.abs(moved / left - 1)):.2e}")
+    np.testing.assert_allclose(moved, left, rtol=1e-4)
