@@ -190,9 +190,11 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
     `topologies` ([(from step, (processes, devices))], the first from 0; default: 2 x 2 throughout): each launch
     runs on the topology of the step it resumes from, the newest committed checkpoint on disk (0: none); a launch
     that commits a checkpoint at or past the plan's next change is ended (`PlannedMove`) and the run launched again
-    on the next topology; a kill planned for it and not made yet goes to the next launch. `start`: another run's
-    checkpoint (`.../checkpoints/STEP`) the run begins from: launches before the run has a committed checkpoint of
-    its own resume from it, the others as `config` says (resume=latest).
+    on the next topology. The kills are dealt to the plan's topologies in order, in equal shares: a launch makes the
+    first kill not made yet of its topology's share or an earlier one's (one the plan ends before its kill leaves
+    the kill to the next launch; one with no kill left runs until the plan ends it or the run is done). `start`:
+    another run's checkpoint (`.../checkpoints/STEP`) the run begins from: launches before the run has a committed
+    checkpoint of its own resume from it, the others as `config` says (resume=latest).
 
     Returns {"kills": [Kill as dict], "launches": n, "per_launch": [{"launch", "topology", "from_step",
     "resumed_from", "moved"}], "changes": [(step, topology)] (the first launch's, then each launch's on another
@@ -204,13 +206,15 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
     plan = topologies or [(0, (PROCESSES, DEVICES))]
     kills: list[Kill] = []
     waiting: list[Kill] = []  # kills whose run no launch has taken over yet (a relaunch killed before it said where)
-    queued, per_launch, moves = list(kinds), [], 0
+    shares = [list(kinds[len(kinds) * i // len(plan):len(kinds) * (i + 1) // len(plan)]) for i in range(len(plan))]
+    per_launch, moves = [], 0
     problem, finished, number = None, False, 0
     while not finished and problem is None and number < len(kinds) + 3 + moves:
         number += 1
-        kind = queued[0] if queued else None
         own = committed_step(checkpoints)
         step = own if own is not None else int(storage.basename(start)) if start else 0
+        queued = next((share for share in shares[:sum(s <= step for s, _ in plan)] if share), [])
+        kind = queued[0] if queued else None
         (processes, devices), move = topology_at(plan, step), PlannedMove(checkpoints, next_move(plan, step))
         launch_config = config if own is not None or not start else _resuming(config, start)
         log_dir = os.path.join(workdir, f"launch-{number}")
