@@ -1,13 +1,15 @@
 """Random kills of a multi-process training run: the driver of benchmarks/chaos.py and tests/test_chaos.py.
 
-The run: launch/local.py starting the trainer (tests/train_config.py) as 2 processes x 2 CPU devices. `kill_and_
-relaunch` starts it, SIGKILLs one rank (drawn at random) at a moment of the kind planned for that launch, waits for
-the launch to end, and starts the same command again, until a launch with no kill left to make finishes. The kinds:
-`startup` (a random moment before the first step), `training` (a random moment after it), and two phases of a
-checkpoint save that tests/train_config.py's seam holds while the kill is made (`write`: its writes begun, nothing
-committed; `commit`: every part written, the commit not made). Each launch records its saves (the seam's save log),
-so every kill says whether the killed rank had a save in flight. `final_state` reads what a finished run left, for
-the bit for bit comparison with the same run left alone (`differences`)."""
+The run: launch/local.py starting the trainer (tests/train_config.py), by default as 2 processes x 2 CPU devices.
+`kill_and_relaunch` starts it, SIGKILLs one rank (drawn at random) at a moment of the kind planned for that launch,
+waits for the launch to end, and starts the same command again, until a launch with no kill left to make finishes.
+The kinds: `startup` (a random moment before the first step), `training` (a random moment after it), and two phases
+of a checkpoint save that tests/train_config.py's seam holds while the kill is made (`write`: its writes begun,
+nothing committed; `commit`: every part written, the commit not made). Each launch records its saves (the seam's
+save log), so every kill says whether the killed rank had a save in flight. With a topology plan
+(tests/topology_plan.py) each launch runs on the topology of the step it resumes from, and `run_chain` makes the
+kill-free run that changed topology at the same steps. tests/finished_run.py reads what a finished run left, for
+the bit for bit comparison with the run left alone."""
 
 import dataclasses
 import glob
@@ -22,6 +24,8 @@ import time
 
 import numpy as np
 import train_config
+from topology_plan import PlannedMove, Topology, committed_step, next_move, topology_at
+from xla_flags import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES, DEVICES = 2, 2
@@ -30,14 +34,13 @@ KINDS = ("startup", "training") + SAVE_KINDS
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ", re.M)
 RESUMED_LINE = re.compile(r"^resumed \S+/(\d+) \(", re.M)
 FRESH_LINE = re.compile(r"^no checkpoint in \S+ yet: starting fresh$", re.M)
-from xla_flags import FAST_COMPILE
 
 
 class Launch:
     """launch/local.py running the trainer, rank 0's output read as it comes (rank 1's: LOG_DIR/rank-1.log)."""
 
     def __init__(self, config, log_dir: str, env: dict | None = None, heartbeat: int = 10,
-                 topology: tuple[int, int] = (PROCESSES, DEVICES)):
+                 topology: Topology = (PROCESSES, DEVICES)):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         environment = {**os.environ, "CLIP_JAX_TEST_CONFIG": config.to_json(), "CLIP_JAX_INIT_TIMEOUT": "60",
@@ -158,7 +161,7 @@ class Kill:
     lost_checkpoint: bool = False  # the next launch resumed from an older step than one committed before the kill
 
 
-def run_alone(config, workdir: str, *, timeout: float = 600, topology: tuple[int, int] = (PROCESSES, DEVICES),
+def run_alone(config, workdir: str, *, timeout: float = 600, topology: Topology = (PROCESSES, DEVICES),
               name: str = "alone") -> dict:
     """The run left alone: (seconds to the first step, seconds per step, wall seconds) of its single launch on
     `topology` (processes, devices each)."""
@@ -176,27 +179,50 @@ def run_alone(config, workdir: str, *, timeout: float = 600, topology: tuple[int
 
 def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Generator, *, startup_s: float,
                       training_s: float, total_steps: int, save_every: int, launch_timeout: float = 300,
-                      say=print) -> dict:
+                      say=print, topologies: list[tuple[int, Topology]] | None = None,
+                      start: str | None = None) -> dict:
     """Runs `config` to its end, killing one rank of launch i at a moment of kind `kinds[i]` and relaunching.
     A `startup` kill comes at a moment uniform in [0.5 s, the shortest time to a first step seen so far (at first
     `startup_s`)] after the launch starts (at its first step at the latest); a `training` kill uniform in [0,
-    `training_s`] s after the launch logged its first step (at the run's last step at the latest); `write` and `commit` kills while the seam holds the launch's first, second or third save
-    (drawn among those it will make). Returns {"kills": [Kill as dict], "launches": n, "finished": bool,
-    "problem": str or None}."""
+    `training_s`] s after the launch logged its first step (at the run's last step at the latest); `write` and
+    `commit` kills while the seam holds the launch's first, second or third save (drawn among those it will make).
+
+    `topologies` ([(from step, (processes, devices))], the first from 0; default: 2 x 2 throughout): each launch
+    runs on the topology of the step it resumes from, the newest committed checkpoint on disk (0: none); a launch
+    that commits a checkpoint at or past the plan's next change is ended (`PlannedMove`) and the run launched again
+    on the next topology. The kills are dealt to the plan's topologies in order, in equal shares: a launch makes the
+    first kill not made yet of its topology's share or an earlier one's (one the plan ends before its kill leaves
+    the kill to the next launch; one with no kill left runs until the plan ends it or the run is done). `start`:
+    another run's checkpoint (`.../checkpoints/STEP`) the run begins from: launches before the run has a committed
+    checkpoint of its own resume from it, the others as `config` says (resume=latest).
+
+    Returns {"kills": [Kill as dict], "launches": n, "per_launch": [{"launch", "topology", "from_step",
+    "resumed_from", "moved"}], "changes": [(step, topology)] (the first launch's, then each launch's on another
+    topology than the one before: the steps where the run changed topology), "finished": bool, "problem": str or
+    None}."""
     from clip_jax.runtime import storage
 
     checkpoints = storage.join(config.logs, config.name, "checkpoints")
+    plan = topologies or [(0, (PROCESSES, DEVICES))]
     kills: list[Kill] = []
     waiting: list[Kill] = []  # kills whose run no launch has taken over yet (a relaunch killed before it said where)
+    shares = [list(kinds[len(kinds) * i // len(plan):len(kinds) * (i + 1) // len(plan)]) for i in range(len(plan))]
+    per_launch, moves = [], 0
     problem, finished, number = None, False, 0
-    while not finished and problem is None and number < len(kinds) + 3:
+    while not finished and problem is None and number < len(kinds) + 3 + moves:
         number += 1
-        kind = kinds[number - 1] if number <= len(kinds) else None
+        own = committed_step(checkpoints)
+        step = own if own is not None else int(storage.basename(start)) if start else 0
+        queued = next((share for share in shares[:sum(s <= step for s, _ in plan)] if share), [])
+        kind = queued[0] if queued else None
+        (processes, devices), move = topology_at(plan, step), PlannedMove(checkpoints, next_move(plan, step))
+        launch_config = config if own is not None or not start else _resuming(config, start)
         log_dir = os.path.join(workdir, f"launch-{number}")
         save_log, pause = os.path.join(log_dir, "saves.jsonl"), os.path.join(log_dir, "pause")
         env, moment, kill = {train_config.SAVE_LOG: save_log}, None, None
         if kind in SAVE_KINDS:
-            nth = int(rng.integers(1, max(1, min(saves_left(checkpoints, total_steps, save_every), 3)) + 1))
+            saves = -(-((move.step or total_steps) - step) // save_every)  # its saves: the final one too
+            nth = int(rng.integers(1, max(1, min(saves, 3)) + 1))
             env.update({train_config.PAUSE_AT: kind, train_config.PAUSE_FILE: pause, train_config.PAUSE_NTH: str(nth)})
             kill = Kill(number, kind, f"save {nth} of the launch")
         elif kind == "startup":
@@ -205,11 +231,12 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
         elif kind == "training":
             moment = float(rng.uniform(0, training_s))
             kill = Kill(number, kind, f"{moment:.1f} s after step 1")
-        rank, hold = int(rng.integers(0, PROCESSES)), float(rng.uniform(0, 0.3))
-        launch = Launch(config, log_dir, env)
+        rank, hold = int(rng.integers(0, processes)), float(rng.uniform(0, 0.3))
+        launch, killed_at = Launch(launch_config, log_dir, env, topology=(processes, devices)), None
         try:
-            killed_at = _kill_when_due(launch, kill, rank, pause, moment, hold, total_steps) if kill is not None else None
-            status = _wait_releasing(launch, pause, launch_timeout)
+            if kill is not None:
+                killed_at = _kill_when_due(launch, kill, rank, pause, moment, hold, total_steps, processes, move)
+            status = _wait_releasing(launch, pause, launch_timeout, move if killed_at is None else None)
             if status is None:
                 problem = f"launch {number} did not end within {launch_timeout:.0f} s of its start"
         finally:
@@ -217,6 +244,8 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
                 launch.kill_all()
             _release(pause)
             launch.save_output()
+        per_launch.append({"launch": number, "topology": [processes, devices], "from_step": step,
+                           "resumed_from": launch.resumed_from(), "moved": move.made})
         if launch.first_step_s() is not None:
             startup_s = min(startup_s, launch.first_step_s())
         if launch.resumed_from() is not None:  # where this launch took over from the kills before it
@@ -226,15 +255,14 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
                 previous.lost_checkpoint = previous.committed is not None and previous.resumed_from < previous.committed
                 say(json.dumps(dataclasses.asdict(previous)))
             waiting.clear()
+        if move.made and killed_at is None:  # the plan moved the run before any kill: the kill is still to make
+            moves += 1
+            say(f"launch {number} on {processes} x {devices} ended: step {move.step} committed, the plan moves on")
+            continue
+        if queued:
+            queued.pop(0)
         if kill is not None and killed_at is not None:
-            events = read_save_log(save_log)
-            kill.save_step = save_in_flight(events, rank, killed_at)
-            kill.during_save = kill.save_step is not None
-            committed = [c for c in (newest_committed(events, killed_at), launch.resumed_from()) if c]
-            kill.committed = max(committed, default=None)
-            kill.launch_status, kill.ended_after_s = status, launch.elapsed() - kill.at_s
-            logged = launch.last_step()  # none logged: where it started, if it said
-            kill.last_step = logged if logged is not None else launch.resumed_from()
+            _account(kill, launch, read_save_log(save_log), rank, killed_at, status)
         if kill is not None:
             kills.append(kill)
             if kill.at_s is not None:
@@ -247,26 +275,61 @@ def kill_and_relaunch(config, workdir: str, kinds: list[str], rng: np.random.Gen
                 problem = f"launch {number} (no kill) ended with status {status}: {launch.output()[-2000:]}"
         elif status == 0:
             problem = f"launch {number} exited 0 although rank {rank} was killed"
-    return {"kills": [dataclasses.asdict(k) for k in kills], "launches": number, "finished": finished,
-            "problem": problem}
+    changes = []
+    for record in per_launch:
+        if not changes or record["topology"] != changes[-1][1]:
+            changes.append((record["from_step"], record["topology"]))
+    return {"kills": [dataclasses.asdict(k) for k in kills], "launches": number, "per_launch": per_launch,
+            "changes": changes, "finished": finished, "problem": problem}
 
 
-def saves_left(checkpoints_dir: str, total_steps: int, save_every: int) -> int:
-    """Saves a launch starting now will make: from the newest complete checkpoint to the end (the final one too)."""
+def _resuming(config, checkpoint: str):
+    resumed = config.copy_and_resolve_references()
+    resumed.resume = checkpoint
+    return resumed
+
+
+def _account(kill: Kill, launch: Launch, events: list[dict], rank: int, killed_at: float, status: int | None) -> None:
+    """Fills in what the save log and rank 0's output tell of a kill made at `killed_at` (time.time())."""
+    kill.save_step = save_in_flight(events, rank, killed_at)
+    kill.during_save = kill.save_step is not None
+    committed = [c for c in (newest_committed(events, killed_at), launch.resumed_from()) if c]
+    kill.committed = max(committed, default=None)
+    kill.launch_status, kill.ended_after_s = status, launch.elapsed() - kill.at_s
+    logged = launch.last_step()  # none logged: where it started, if it said
+    kill.last_step = logged if logged is not None else launch.resumed_from()
+
+
+def run_chain(config, workdir: str, first_run: str, changes: list[tuple[int, Topology]],
+              total_steps: int) -> list[tuple[int, str]]:
+    """The kill-free reference of a run whose topology changed at `changes` ([(step, topology)], the first at 0):
+    `first_run` is the run directory of `config` left alone on the first topology, and each later change one
+    launch on its topology resuming the previous leg's checkpoint at its step under a run name of its own (`leg-2`,
+    ...), to the end. The legs keep the checkpoints the next one resumes (`config.keep`: every save). Returns
+    [(the step each leg started from, its run directory)]."""
     from clip_jax.runtime import storage
-    from clip_jax.runtime.checkpoints import latest_complete_step
 
-    done = latest_complete_step(checkpoints_dir) if storage.exists(checkpoints_dir) else None
-    return -(-(total_steps - (done or 0)) // save_every)
+    legs = [(0, first_run)]
+    for number, (step, topology) in enumerate(changes[1:], 2):
+        if step >= total_steps:  # nothing left to train
+            break
+        leg = _resuming(config, storage.join(legs[-1][1], "checkpoints", str(step)))
+        leg.name = f"leg-{number}"
+        run_alone(leg, workdir, topology=tuple(topology), name=leg.name)
+        legs.append((step, storage.join(config.logs, leg.name)))
+    return legs
 
 
 def _kill_when_due(launch: Launch, kill: Kill, rank: int, pause: str, moment: float | None, hold: float,
-                   total_steps: int) -> float | None:
-    """SIGKILLs `rank` when `kill` is due: `startup` `moment` s after the start, at the first step at the latest;
-    `training` `moment` s after the first step, at the run's last step at the latest; `write` and `commit` `hold` s
-    after the seam held a save. Fills kill.at_s and kill.rank and returns the kill's time.time(), or None when the
-    launch ended first."""
+                   total_steps: int, processes: int, move: PlannedMove) -> float | None:
+    """SIGKILLs `rank` (of `processes`) when `kill` is due: `startup` `moment` s after the start, at the first step
+    at the latest; `training` `moment` s after the first step, at the run's last step at the latest; `write` and
+    `commit` `hold` s after the seam held a save. Fills kill.at_s and kill.rank and returns the kill's time.time(),
+    or None when the launch ended first (or `move` ended it)."""
     while launch.running():
+        if move.due():
+            move.make(launch)
+            return None
         first_step = launch.first_step_s()
         if kill.kind == "startup" and (launch.elapsed() >= moment or first_step is not None):
             break
@@ -278,20 +341,22 @@ def _kill_when_due(launch: Launch, kill: Kill, rank: int, pause: str, moment: fl
             break
         time.sleep(0.02)
     pids = launch.rank_pids()
-    while launch.running() and len(pids) < PROCESSES:  # a moment before the launcher started both ranks
+    while launch.running() and len(pids) < processes:  # a moment before the launcher started every rank
         time.sleep(0.01)
         pids = launch.rank_pids()
-    if not launch.running() or len(pids) < PROCESSES:
+    if not launch.running() or len(pids) < processes:
         return None
     os.kill(pids[rank], signal.SIGKILL)
     kill.at_s, kill.rank = launch.elapsed(), rank
     return time.time()
 
 
-def _wait_releasing(launch: Launch, pause: str, timeout: float) -> int | None:
-    """The launcher's exit status, removing the seam's pause files meanwhile (a held save goes on); None when it
-    still runs `timeout` s after its start."""
+def _wait_releasing(launch: Launch, pause: str, timeout: float, move: PlannedMove | None = None) -> int | None:
+    """The launcher's exit status, removing the seam's pause files meanwhile (a held save goes on) and ending the
+    launch when `move` is due; None when it still runs `timeout` s after its start."""
     while launch.running() and launch.elapsed() < timeout:
+        if move is not None and move.due():
+            move.make(launch)
         _release(pause)
         time.sleep(0.05)
     return launch.wait(timeout=1)
@@ -303,60 +368,3 @@ def _release(pause: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def final_state(run_dir: str) -> dict:
-    """What a finished run left: {"step", "state": {leaf name: array} of its newest complete checkpoint (params,
-    optimizer state, step), "data_position": {file name: text} of each process, "losses": {step: loss} and
-    "digests": {step: sample_digest}, from the last record of each step in metrics.jsonl}. Read with Orbax and the storage layer straight, not the trainer."""
-    import jax
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    from clip_jax.runtime import storage
-    from clip_jax.runtime.checkpoints import latest_complete_step
-
-    checkpoints = storage.join(run_dir, "checkpoints")
-    storage.prepare_for_orbax(checkpoints)
-    step = latest_complete_step(checkpoints)
-    state_dir = storage.join(checkpoints, str(step), "state")
-    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-    leaves = {jax.tree_util.keystr(path): np.asarray(leaf)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
-    data_dir = storage.join(checkpoints, str(step), "data_iter")
-    position = {name: storage.read_text(storage.join(data_dir, name)) for name in storage.listdir(data_dir)
-                if name != storage.COMMIT_FILE}
-    losses, digests = {}, {}
-    for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            losses[record["step"]] = record["loss"]
-        if "sample_digest" in record:
-            digests[record["step"]] = record["sample_digest"]
-    return {"step": step, "state": leaves, "data_position": position, "losses": losses, "digests": digests}
-
-
-def differences(got: dict, expected: dict) -> list[str]:
-    """What differs between two `final_state`s, bit for bit (empty: identical)."""
-    found = []
-    if got["step"] != expected["step"]:
-        found.append(f"final step {got['step']} != {expected['step']}")
-    if got["state"].keys() != expected["state"].keys():
-        found.append(f"state leaves differ: {sorted(got['state'].keys() ^ expected['state'].keys())}")
-    for name in sorted(got["state"].keys() & expected["state"].keys()):
-        a, b = got["state"][name], expected["state"][name]
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            found.append(f"state {name} differs")
-    if got["data_position"] != expected["data_position"]:
-        found.append(f"data position differs: {got['data_position']} != {expected['data_position']}")
-    if got["losses"] != expected["losses"]:
-        steps = sorted(s for s in got["losses"].keys() | expected["losses"].keys()
-                       if got["losses"].get(s) != expected["losses"].get(s))
-        found.append(f"logged losses differ at steps {steps}")
-    if got["digests"] != expected["digests"]:
-        steps = sorted(s for s in got["digests"].keys() | expected["digests"].keys()
-                       if got["digests"].get(s) != expected["digests"].get(s))
-        found.append(f"the steps' sample digests differ at steps {steps}")
-    return found
