@@ -7,8 +7,9 @@ samples per CPU-second is samples per core. Runs alternate to share the machine'
 
 ``clip_jax_filtered`` is clip_jax's pipeline with sample filters on (``FILTER``: four rules on each sample's .json,
 a minimum image size and caption length, chosen to keep every sample so both read the same images): the cost of
-filtering, measured against ``clip_jax`` in the same run. ``synthetic`` is ``dataset_type="synthetic"`` (no reading,
-no decoding): the loader's floor.
+filtering, measured against ``clip_jax`` in the same run. ``clip_jax_streams`` reads the same data as 16 data streams
+(``data_streams``, each its own shard reads and shuffle window): the cost of streams against one. ``synthetic`` is
+``dataset_type="synthetic"`` (no reading, no decoding): the loader's floor.
 
     python benchmarks/data_pipeline.py                # prints a table, writes benchmarks/out/data_pipeline.json
     python benchmarks/data_pipeline.py --no-open-clip --repeats 5   # filters on vs off only
@@ -37,6 +38,7 @@ GPU_FEED_RATE = 800  # samples/s one GPU step consumes (the ViT-L/14 run: ~73 sa
 CORES_PER_GPU = 16
 # keeps every benchmark sample (img2dataset-like .json written by make_shards), so it only adds the filter's cost
 FILTER = "status == 'success' and width >= 64 and original_width > 0 and not caption == ''"
+STREAMS = 16  # clip_jax_streams: data streams in one process (the reference run: 28 per GPU process, 8 samples each)
 
 
 def photo_samples(count: int, size: int = 256, seed: int = 0):
@@ -80,6 +82,17 @@ def clip_jax_batches(pattern: str, batch_size: int, sample_filter: filters.Sampl
         assert batch["images"].shape == (batch_size, 224, 224, 3) and batch["images"].dtype == np.float32
         if sample_filter is not None:
             assert not it.skipped_samples(), it.skipped_samples()  # the filter keeps every sample
+        yield batch
+
+
+def clip_jax_streams_batches(pattern: str, batch_size: int):
+    """The same pipeline read as ``STREAMS`` data streams in this one process (``data_streams``), each stream giving
+    ``batch_size / STREAMS`` samples of every batch: the reference run's 8 samples per stream per step at batch 128."""
+    cfg = data.TrainDataConfig(shards=pattern, resampled=True, workers=0, seed=0, streams=STREAMS)
+    it = data.build_train_iterator(cfg, global_batch_size=batch_size, image_size=224, mean=MEAN, std=STD)
+    while True:
+        batch = next(it)
+        assert batch["images"].shape == (batch_size, 224, 224, 3) and len(it.last_keys) == batch_size
         yield batch
 
 
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         pattern = make_shards.shard_pattern(paths)
         print(f"made {len(paths)} shards of 256 px JPEGs in {time.perf_counter() - start:.1f} s: {pattern}")
         pipelines = {"clip_jax": clip_jax_batches, "clip_jax_filtered": clip_jax_filtered_batches,
-                     "synthetic": synthetic_batches}
+                     "clip_jax_streams": clip_jax_streams_batches, "synthetic": synthetic_batches}
         if not args.no_open_clip:
             pipelines["open_clip"] = open_clip_batches
         runs = {name: [] for name in pipelines}
@@ -188,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = summary["clip_jax"]["samples_per_cpu_s"] / summary["open_clip"]["samples_per_cpu_s"]
         print(f"ratio clip_jax / open_clip per core: {ratio:.2f}x (goal >= 1.2x)")
     print(f"filters on / off per core: {filter_ratio:.3f}x (goal >= 0.95x)")
+    streams_ratio = statistics.median(many["samples_per_cpu_s"] / one["samples_per_cpu_s"]
+                                      for many, one in zip(runs["clip_jax_streams"], runs["clip_jax"]))
+    print(f"{STREAMS} data streams / one per core: {streams_ratio:.3f}x")
     cost = filter_cost_us()
     share = cost * summary["clip_jax"]["samples_per_cpu_s"] / 1e6
     print(f"LAION filter on a LAION-like .json: {cost:.1f} us per sample, {100 * share:.2f}% of a sample's CPU time")
@@ -197,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"batch_size": args.batch_size, "image_size": 224, "source_size": 256, "runs": runs,
                    "median": summary, "ratio_per_core": ratio,
                    "filter": FILTER, "filtered_over_unfiltered_per_core": filter_ratio,
+                   "streams": STREAMS, "streams_over_one_per_core": streams_ratio,
                    "laion_filter": LAION_FILTER, "laion_filter_us_per_sample": cost, "laion_filter_cpu_share": share,
                    "projected_samples_per_s_16_cores": per_gpu}, f, indent=2)
     print(f"wrote {args.out}")

@@ -81,7 +81,7 @@ class StreamsIterator(grain.DatasetIterator):
         if self._streams is None:
             self._streams = self._open()
         parts = [next(it) for it in self._streams.values()]
-        part = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+        part = parts[0] if len(parts) == 1 else {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
         part[POSITIONS] = np.frombuffer(json.dumps(self.get_state()["streams"]).encode(), np.uint8)
         return part
 
@@ -103,7 +103,7 @@ class StreamsIterator(grain.DatasetIterator):
         self._streams = None
 
 
-def stream_layout(streams: int, process_index: int, process_count: int, workers: int) -> tuple[range, int]:
+def process_streams(streams: int, process_index: int, process_count: int, workers: int) -> tuple[range, int]:
     """(the streams process ``process_index`` owns, the workers that read them): no more workers than streams."""
     block = streams_lib.owned(streams, process_count, process_index)
     return block, min(max(workers, 1), len(block))
@@ -115,7 +115,7 @@ def build_stream_iterator(make_stream: Callable[[int], grain.IterDataset], *, st
     """This process's iterator over its streams of ``streams`` (see the module docstring); ``workers`` 0 reads
     in this process, else ``min(workers, owned streams)`` worker processes share the streams (said in a line
     when fewer than asked); ``start``: saved stream states (``runtime.checkpoints.read_stream_positions``)."""
-    block, used = stream_layout(streams, process_index, process_count, workers)
+    block, used = process_streams(streams, process_index, process_count, workers)
     if workers > used and process_index == 0:
         log.info("data: %d workers per process read its %d data streams (workers=%d: one stream is read by one "
                  "worker)", used, len(block), workers)
@@ -153,7 +153,8 @@ class StreamTrainIterator(grain.DatasetIterator):
                             "order: the step's rows would be out of place")
         for p in positions:
             self.positions.update(p)
-        batch = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        batch = parts[0] if len(parts) == 1 else {key: np.concatenate([part[key] for part in parts])
+                                                   for key in parts[0]}  # a copy only when workers share them
         self.last_keys = batch.pop(KEYS, None)
         return batch
 
