@@ -171,10 +171,11 @@ class ClipPretraining:
         if not self.streams:
             return ""
         processes = jax.process_count()
-        counts = [p for p in stream_layout.feasible_process_counts(self.streams, self.schedule.global_batch,
-                                                                  jax.local_device_count())
-                  if processes / 2 <= p <= 2 * processes]
-        return f", {self.streams} data streams (exact resumes on {_listed(counts)} processes, among others)"
+        feasible = stream_layout.feasible_process_counts(self.streams, self.schedule.global_batch,
+                                                         jax.local_device_count())
+        near = [p for p in feasible if processes / 2 <= p <= 2 * processes]
+        return (f", {_count(self.streams, 'data stream')} (exact resumes on {_listed(near)} "
+                f"process{'es' if near != [1] else ''}{', among others' if len(near) < len(feasible) else ''})")
 
     def finish(self, state, results: dict, say, record) -> dict:
         return results
@@ -192,6 +193,10 @@ def pretrained_state(step, path: str, say):
     batch_stats = None if abstract.batch_stats is None else in_dtypes(variables["batch_stats"], abstract.batch_stats)
     say(f"params{' and BatchNorm statistics' if batch_stats is not None else ''} from pretrained {path}")
     return step.state_from_params(params, batch_stats)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _listed(counts: Sequence[int]) -> str:
