@@ -11,7 +11,7 @@ import pytest
 import timm
 import torch
 from tiny_model import SGD, TINY_MODEL, assert_bf16_features_close, assert_same_update
-from xla_flags import FAST_CODEGEN, compiled_fast
+from xla_flags import FAST_CODEGEN, run_once
 
 from clip_jax.errors import InvalidInput
 from clip_jax.interop.convert import from_open_clip, open_clip_shapes, to_open_clip
@@ -189,8 +189,7 @@ def siglip_params():
 def _sgd_step(params, batch, *, n_devices, **spec):
     mesh = create_mesh(jax.devices()[:n_devices])
     step = build_step(StepSpec.for_model(SIGLIP_TINY, optimizer=SGD, loss="siglip", **spec), mesh)
-    state, batch = step.state_from_params(params), make_global_batch(batch, mesh)
-    state, metrics = compiled_fast(step.update, state, batch)(state, batch)
+    state, metrics = run_once(step.update, step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
 
 
@@ -232,8 +231,7 @@ def test_every_precision_policy_trains_a_siglip_model_near_fp32(siglip_params, r
                                              lock=LockSpec(image=True, image_unlocked_groups=2),
                                              loss_scale=loss_scale), mesh)
         start = jax.tree.map(np.asarray, cast_params(siglip_params, get_policy(name)))
-        state = step.state_from_params(start)
-        state, metrics = compiled_fast(step.update, state, batch)(state, batch)
+        state, metrics = run_once(step.update, step.state_from_params(start), batch)
         losses[name] = float(metrics["loss"])
         after = jax.tree.map(np.asarray, state.params["visual"])
         changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), after, start["visual"])

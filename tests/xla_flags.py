@@ -23,3 +23,8 @@ def compiled_fast(jitted, *args):
     """`jitted` (a `jax.jit` function, e.g. a `Step`'s update) compiled for `args` with `FAST_CODEGEN`: the
     executable takes the same arguments (and donates what `jitted` donates)."""
     return jitted.lower(*args).compile(compiler_options=FAST_CODEGEN)
+
+
+def run_once(jitted, *args):
+    """`jitted(*args)` for a program a test runs once, compiled with `FAST_CODEGEN`."""
+    return compiled_fast(jitted, *args)(*args)
