@@ -24,6 +24,8 @@ from clip_jax.training import trainer as train_lib
 
 HALF = (0.5, 0.5, 0.5)  # the LAION recipe's mean and std, not OpenCLIP's defaults: the export must carry them
 
+pytestmark = pytest.mark.usefixtures("orbax_writes_replicated_arrays_whole")  # saves not split per device
+
 
 @pytest.fixture(scope="module")
 def shards(fashion_mnist_shards):

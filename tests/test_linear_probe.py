@@ -31,6 +31,8 @@ NUM_TRAIN, NUM_TEST = 1000, 500
 TEMPLATES = ["a photo of a {c}.", "a {c}."]
 PROBE = ("--task", "linear_probe", "--fewshot_epochs", "100", "--batch_size", "32")
 
+pytestmark = pytest.mark.usefixtures("orbax_writes_replicated_arrays_whole")  # saves not split per device
+
 
 def _png(image: np.ndarray) -> bytes:
     out = io.BytesIO()

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_model import SGD
+from xla_flags import FAST_CODEGEN, compiled_fast
 
 from clip_jax.models import create_model, init_params, layers
 from clip_jax.models.precision import (POLICIES, bf16_recommendation, cast_params, check_fp8, check_gpu_precision,
@@ -60,14 +61,15 @@ def batch(random_batch):
 
 @pytest.fixture(scope="module")
 def compiled_steps(fp32_params, batch, policy_model):
-    """Per policy: (the step, its lowering, the executable): one AdamW step at lr 1e-3 on every device."""
+    """Per policy: (the step, its lowering, the executable): one AdamW step at lr 1e-3 on every device (compiled
+    with tests/xla_flags.py's `FAST_CODEGEN`: each runs a few times)."""
     mesh = create_mesh()
     results = {}
     for name in POLICIES:
         step = build_step(StepSpec(policy_model("fp32").config, name, optimizer=OptimizerSpec(lr=1e-3)), mesh)
         state = step.state_from_params(cast_params(fp32_params, get_policy(name)))
         lowered = step.update.lower(state, make_global_batch(batch, mesh))
-        results[name] = (step, lowered, lowered.compile())
+        results[name] = (step, lowered, lowered.compile(compiler_options=FAST_CODEGEN))
     return results
 
 
@@ -263,8 +265,8 @@ def plain_bf16_step(fp32_params, batch, policy_model):
                     grad_reduce_dtype="bfloat16")
     with mock.patch.object(layers, "is_16_bit", lambda dtype: False):
         step = build_step(spec, create_mesh())
-        executable = step.update.lower(step.state_from_params(fp32_params), make_global_batch(batch, step.mesh))
-        executable = executable.compile()
+        executable = compiled_fast(step.update, step.state_from_params(fp32_params),
+                                   make_global_batch(batch, step.mesh))
     return _run({"bf16": (step, None, executable)}, "bf16", fp32_params, batch)
 
 
@@ -284,8 +286,10 @@ def losses_along(spec: StepSpec, params, batches) -> list[float]:
     """The loss of each of `spec`'s steps from `params` over `batches`, on 8 devices; none may overflow."""
     step = build_step(spec, create_mesh())
     state, losses = step.state_from_params(cast_params(params, get_policy(spec.precision))), []
+    batches = [make_global_batch(batch, step.mesh) for batch in batches]
+    update = compiled_fast(step.update, state, batches[0])
     for batch in batches:
-        state, metrics = step(state, make_global_batch(batch, step.mesh))
+        state, metrics = update(state, batch)
         losses.append(float(metrics["loss"]))
         assert not metrics.get("overflow", False), f"{spec.precision}: step {len(losses)} overflowed"
     return losses

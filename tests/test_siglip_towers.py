@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 from tiny_model import SGD, TINY_MODEL, assert_bf16_features_close, assert_same_update
+from xla_flags import FAST_CODEGEN, run_once
 
 from clip_jax.errors import InvalidInput
 from clip_jax.interop.convert import from_open_clip, open_clip_shapes, to_open_clip
@@ -188,7 +189,7 @@ def siglip_params():
 def _sgd_step(params, batch, *, n_devices, **spec):
     mesh = create_mesh(jax.devices()[:n_devices])
     step = build_step(StepSpec.for_model(SIGLIP_TINY, optimizer=SGD, loss="siglip", **spec), mesh)
-    state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
+    state, metrics = run_once(step.update, step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
 
 
@@ -208,8 +209,9 @@ def test_siglip_model_runs_in_bf16():
     params = init_params(model, jax.random.key(1))
     images = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
     tokens = np.random.default_rng(1).integers(1, 1000, size=(2, 16)).astype(np.int32)
-    assert_bf16_features_close(jax.jit(model.apply), jax.jit(create_model(SIGLIP_TINY, dtype="bfloat16").apply),
-                               params, images, tokens)
+    bf16_model = create_model(SIGLIP_TINY, dtype="bfloat16")
+    assert_bf16_features_close(jax.jit(model.apply, compiler_options=FAST_CODEGEN),
+                               jax.jit(bf16_model.apply, compiler_options=FAST_CODEGEN), params, images, tokens)
 
 
 @pytest.mark.slow
@@ -229,7 +231,7 @@ def test_every_precision_policy_trains_a_siglip_model_near_fp32(siglip_params, r
                                              lock=LockSpec(image=True, image_unlocked_groups=2),
                                              loss_scale=loss_scale), mesh)
         start = jax.tree.map(np.asarray, cast_params(siglip_params, get_policy(name)))
-        state, metrics = step(step.state_from_params(start), batch)
+        state, metrics = run_once(step.update, step.state_from_params(start), batch)
         losses[name] = float(metrics["loss"])
         after = jax.tree.map(np.asarray, state.params["visual"])
         changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), after, start["visual"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from tiny_model import SGD, SGD_LR, assert_same_update
+from xla_flags import run_once
 
 from clip_jax.models import create_model, init_params, param_shapes
 from clip_jax.runtime.mesh import (batch_sharding, create_mesh, fsdp_data_size, fsdp_leaf_spec, fsdp_spec,
@@ -38,7 +39,7 @@ def sgd_step(config, params, batch, *, n_devices, accum_steps=1, fsdp=False, rem
     mesh = create_mesh(jax.devices()[:n_devices])
     spec = StepSpec(config, remat_policy=remat_policy, fsdp=fsdp, optimizer=SGD, accum_steps=accum_steps)
     step = build_step(spec, mesh)
-    state, metrics = step(step.state_from_params(params), make_global_batch(batch, mesh))
+    state, metrics = run_once(step.update, step.state_from_params(params), make_global_batch(batch, mesh))
     return jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}
 
 
@@ -174,7 +175,7 @@ def test_fsdp_on_a_replica_grid_equals_replicated(model, params, random_batch):
         state = step.state_from_params(params)
         kernel = state.params["visual"]["transformer"]["resblocks"]["mlp"]["c_fc"]["kernel"]  # [2, 64, 256]
         layout = kernel.sharding.spec, kernel.addressable_shards[0].data.shape
-        state, metrics = step(state, make_global_batch(batch, mesh))
+        state, metrics = run_once(step.update, state, make_global_batch(batch, mesh))
         return layout, jax.tree.map(np.asarray, state.params), metrics
 
     layout, after, metrics = step_on(create_mesh(devices, fsdp_params=param_shapes(model)), fsdp=True)
