@@ -104,6 +104,10 @@ class VisionConfig:
     # followed by a residual MLP (`attn_pool`); no projection (the model's embed_dim is the tower's width).
     pool_type: str = "tok"
     final_ln_after_pool: bool = False
+    # SigLIP 2's NaFlex tower (transformers' Siglip2VisionModel): a "map" tower that takes each image at its own
+    # aspect ratio as a grid of patches under a patch budget (`clip_jax.models.naflex` has the input's layout), its
+    # learned position grid (image_size / patch_size square) resized to each image's grid; padding patches masked.
+    naflex: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.patch_dropout < 1.0:
@@ -113,6 +117,9 @@ class VisionConfig:
         if self.pool_type == "map" and self.final_ln_after_pool:
             raise InvalidInput("vision pool_type='map' with final_ln_after_pool: SigLIP's attention pool reads "
                                "every token after ln_post (leave final_ln_after_pool out)")
+        if self.naflex and self.pool_type != "map":
+            raise InvalidInput(f"vision naflex with pool_type={self.pool_type!r}: a NaFlex tower is SigLIP 2's, "
+                               "pooled by attention from a learned probe (pool_type 'map')")
 
     @property
     def attention_pool(self) -> bool:

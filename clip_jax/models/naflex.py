@@ -1,0 +1,49 @@
+"""The NaFlex image tower's input: each image at its own aspect ratio as a grid of patches, padded to a budget.
+
+A batch of NaFlex images is one float32 array [B, N, P * P * 3 + 2] ("NaFlex rows"), N the patch budget
+(`max_num_patches`) and P the patch size. Row j of image b is its j-th patch in row-major order over the image's
+grid: the patch's pixels, normalised, in (row, column, channel) order (the order of the patch embedding's kernel
+[P, P, 3, W] flattened), then the image's grid (rows, columns) in the last two columns. Padding rows, after an
+image's rows x columns patches, are zero throughout, so a zero grid marks them. One array makes a NaFlex batch
+travel every path an image batch does (padding rows, splitting over devices) and keeps the grid data, not a shape:
+one compiled program serves every aspect ratio at a budget.
+"""
+
+import numpy as np
+
+GRID_COLUMNS = 2  # (rows, columns) of the image's patch grid, after the pixels
+
+
+def row_width(patch_size: int) -> int:
+    """The width of a NaFlex row for patches of `patch_size`: the pixels, then the grid."""
+    return patch_size * patch_size * 3 + GRID_COLUMNS
+
+
+def pack_rows(patches, grid: tuple[int, int], max_num_patches: int) -> np.ndarray:
+    """One image's NaFlex rows [max_num_patches, P * P * 3 + 2] from its patches [rows * columns, P * P * 3]
+    (row-major over the grid, each patch in (row, column, channel) order) and its grid (rows, columns)."""
+    patches = np.asarray(patches, np.float32)
+    rows, columns = grid
+    if patches.ndim != 2 or len(patches) != rows * columns:
+        raise ValueError(f"patches {patches.shape} are not a {rows} x {columns} grid of flattened patches")
+    if len(patches) > max_num_patches:
+        raise ValueError(f"a {rows} x {columns} grid has more than max_num_patches={max_num_patches} patches")
+    out = np.zeros((max_num_patches, patches.shape[1] + GRID_COLUMNS), np.float32)
+    out[:len(patches), :-GRID_COLUMNS] = patches
+    out[:len(patches), -GRID_COLUMNS:] = grid
+    return out
+
+
+def split_rows(rows):
+    """NaFlex rows [B, N, D + 2] -> (patches [B, N, D], grids [B, 2] int32 (rows, columns), mask [B, N] bool, True
+    on an image's own patches). Works on numpy and JAX arrays alike."""
+    xp = np if isinstance(rows, np.ndarray) else _jnp()
+    patches, grid_columns = rows[..., :-GRID_COLUMNS], rows[..., -GRID_COLUMNS:]
+    grids = grid_columns[:, 0].astype(xp.int32)  # an image's first row is its own (every image has a patch)
+    return patches, grids, grid_columns[..., 0] > 0
+
+
+def _jnp():
+    import jax.numpy as jnp
+
+    return jnp
