@@ -27,10 +27,10 @@ import re
 from clip_jax.errors import InvalidInput, MissingInput, UserError
 from clip_jax.interop import hf_folder, open_clip_folder
 from clip_jax.interop.array_files import holds_clip_jax, read_arrays, unflatten
+from clip_jax.interop.opened_model import OpenedModel, add_budget_argument  # noqa: F401 - opened here
 from clip_jax.interop.pretrained import clip_jax_variables, open_clip_variables
 from clip_jax.models.config import CLIPConfig, as_trained, is_resnet
 from clip_jax.models.registry import get_model_config
-from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import storage
 from clip_jax.runtime.run_layout import CHECKPOINTS, TOKENIZER
 from clip_jax.runtime.run_layout import CONFIG as RUN_CONFIG
@@ -325,43 +325,6 @@ def path_problems(path, what: str) -> list[str]:
     except UserError as e:
         return [str(e)]
     return []
-
-
-class OpenedModel:
-    """A model a path holds (`open_model`): its `config`, the `preprocessing` it was trained with, its `variables()`
-    (read when asked: a checkpoint may be large) and its `tokenizer`."""
-
-    def __init__(self, source: ModelSource, config: CLIPConfig):
-        self.source, self.config = source, config
-
-    @property
-    def path(self) -> str:
-        return self.source.path
-
-    @functools.cached_property
-    def preprocessing(self) -> dict:
-        return self.source.preprocessing()
-
-    def normalization(self, mean=None, std=None) -> tuple[tuple, tuple]:
-        """(mean, std) of the images: those given, else those the model was trained with, else OpenAI's."""
-        return (tuple(mean or self.preprocessing.get("mean") or OPENAI_MEAN),
-                tuple(std or self.preprocessing.get("std") or OPENAI_STD))
-
-    @property
-    def resize_mode(self) -> str:
-        """The eval transform's resize: "shortest" side then a center crop, or "squash" (a SigLIP folder's)."""
-        return self.preprocessing.get("resize_mode", "shortest")
-
-    def variables(self) -> dict:
-        return self.source.variables(self.config)
-
-    @property
-    def tokenizer(self):
-        """`tokenizer(texts) -> int32 [N, context_length]`: the model's own (`clip_jax.text.model_tokenizer`),
-        checked."""
-        from clip_jax.text.model_tokenizer import tokenizer_for
-
-        return tokenizer_for(self.config)
 
 
 def open_model(path, model=None, *, what: str = "") -> OpenedModel:
