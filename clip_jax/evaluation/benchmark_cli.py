@@ -37,7 +37,7 @@ from clip_jax.evaluation.benchmark import model_label
 from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.evaluator import TASKS, EvalSetting, TaskData, task_named
 from clip_jax.evaluation.linear_probe import ProbeOptions
-from clip_jax.interop.opener import open_model
+from clip_jax.interop.opener import add_budget_argument, open_model
 from clip_jax.models import create_model
 from clip_jax.models.variables import eval_variables
 from clip_jax.runtime import entry, storage
@@ -92,7 +92,8 @@ def output_path(args, layout: clip_benchmark.Layout, task: str, model: str) -> s
 def load_model(args):
     """(model, params replicated on the mesh, mesh, mean, std, model name, the eval transform's resize) of
     `--pretrained` / `--model`."""
-    opened = open_model(args.pretrained, args.model, what="--pretrained")
+    opened = open_model(args.pretrained, args.model, what="--pretrained",
+                        max_num_patches=getattr(args, "max_num_patches", None))
     mean, std = opened.normalization()
     model = create_model(opened.config, dtype="float32")
     check_vocabulary(model)
@@ -153,7 +154,8 @@ def evaluate(args, job, loaded) -> dict:
 
 
 def run_eval(args) -> list[dict]:
-    opened = open_model(args.pretrained, args.model, what="--pretrained")  # what it holds, before any dataset
+    opened = open_model(args.pretrained, args.model, what="--pretrained",  # what it holds, before any dataset
+                        max_num_patches=args.max_num_patches)
     model_name = model_label(args.model or opened.config.name)
     jobs = plan(args, model_name)
     todo = [job for job in jobs if not (args.skip_existing and os.path.exists(job[2]))]
@@ -173,7 +175,7 @@ def run_eval(args) -> list[dict]:
         if jax.process_index() == 0:
             benchmark_lib.write_result_file(record, job[2])
             cells = "  ".join(f"{k} {100 * v:.2f}%" for k, v in record["metrics"].items())
-            print(f"{record['dataset']} ({record['task']}, {time.perf_counter() - start:.1f} s): {cells} -> {job[2]}")
+            print(f"{record['dataset']} ({record['task']}{opened.budget_clause()}, {time.perf_counter() - start:.1f} s): {cells} -> {job[2]}")
         records.append(record)
     return records
 
@@ -234,6 +236,7 @@ def parse_args(argv=None):
     ev.add_argument("--pretrained", "--checkpoint", dest="pretrained", required=True,
                     help="exported folder, run directory or checkpoint file (--checkpoint: zeroshot's spelling)")
     ev.add_argument("--model", help="model name or OpenCLIP model-config .json (default: the folder's own)")
+    add_budget_argument(ev)
     ev.add_argument("--output", default=DEFAULT_OUTPUT, help="result JSON path, formatted with {dataset}, {model}, "
                     "{pretrained}, {task}, {language}")
     ev.add_argument("--language", default="en")

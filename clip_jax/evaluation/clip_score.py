@@ -30,6 +30,7 @@ from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_reader
 from clip_jax.evaluation.embed_parts import shard_urls
 from clip_jax.evaluation.embed_reader import Sample
+from clip_jax.interop.opened_model import add_budget_argument
 from clip_jax.runtime import entry
 
 PROGRESS_EVERY_S = 10.0
@@ -100,7 +101,8 @@ def open_pairs(args, skipped: collections.Counter, named: list) -> Iterator[Samp
 
 
 def score(args) -> dict:
-    """Scores every pair; returns {"rows": [(image, caption, score)], "skipped": {reason: count}, "named": ...}."""
+    """Scores every pair; returns {"rows": [(image, caption, score)], "skipped": {reason: count}, "named": ...,
+    "max_num_patches": a NaFlex model's budget, else None}."""
     import jax
 
     from clip_jax.data.transforms import normalize
@@ -113,7 +115,8 @@ def score(args) -> dict:
 
     if args.batch_size < 1:
         raise InvalidInput(f"--batch-size {args.batch_size}: give at least 1")
-    opened = open_model(args.checkpoint, args.model, what="--checkpoint")  # what the path holds, said first
+    opened = open_model(args.checkpoint, args.model, what="--checkpoint",  # what the path holds, said first
+                        max_num_patches=args.max_num_patches)
     skipped, named = collections.Counter(), []
     samples = open_pairs(args, skipped, named)  # the inputs checked before the weights are read
     model, params, mean, std, resize_mode = read_model(opened, f"--checkpoint {args.checkpoint}", args.model)
@@ -143,7 +146,8 @@ def score(args) -> dict:
                 last = time.perf_counter()
                 print(f"score: {len(scored):,} pairs, {len(scored) / (last - start):.1f} pairs/s", file=sys.stderr,
                       flush=True)
-    return {"rows": scored, "skipped": dict(sorted(skipped.items())), "named": named}
+    return {"rows": scored, "skipped": dict(sorted(skipped.items())), "named": named,
+            "max_num_patches": opened.max_num_patches}
 
 
 def write_rows(path: str, rows) -> None:
@@ -158,6 +162,7 @@ def parse_args(argv):
     parser.add_argument("--checkpoint", required=True, metavar="PATH", help="the model: a run directory, one of its "
                         "checkpoints, an exported or transformers folder, or a weights file (with --model)")
     parser.add_argument("--model", help="model name or OpenCLIP model-config .json to read --checkpoint as")
+    add_budget_argument(parser)
     parser.add_argument("--images", required=True, metavar="FOLDER_OR_SHARDS",
                         help="a folder of images (with --captions) or webdataset shards ('d/{00000..00009}.tar')")
     parser.add_argument("--captions", metavar="FILE.csv", help="rows filename,caption for a folder of images")
@@ -182,6 +187,7 @@ def main(argv=None) -> int:
     write_rows(args.output, result["rows"])
     values = [value for _, _, value in result["rows"]]
     skipped = ", ".join(f"{reason} {count}" for reason, count in result["skipped"].items()) or "none"
-    print(f"{len(values):,} pairs scored, written to {args.output}; skipped: {skipped}")
+    budget = f", images at {result['max_num_patches']} patches" if result["max_num_patches"] else ""
+    print(f"{len(values):,} pairs scored{budget}, written to {args.output}; skipped: {skipped}")
     print(f"CLIPScore {np.mean(values):.4f}")
     return 0

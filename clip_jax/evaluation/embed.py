@@ -28,11 +28,12 @@ import time
 import numpy as np
 
 from clip_jax.data import webdataset
-from clip_jax.data.transforms import normalize
+from clip_jax.data.transforms import NaFlexResize, normalize
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_parts, embed_reader, embed_writer
 from clip_jax.evaluation.batches import pad_rows
 from clip_jax.evaluation.encoder import ShardedEncoder, round_up, shard_rows
+from clip_jax.interop.opened_model import add_budget_argument
 from clip_jax.runtime import entry, storage
 
 PROGRESS_EVERY_S = 10.0
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="an exported model folder, a clip_jax run directory, a transformers CLIPModel folder or "
                              "an OpenCLIP checkpoint")
     parser.add_argument("--model", help="the model of an OpenCLIP checkpoint file (a name or model-config .json)")
+    add_budget_argument(parser)
     for name, default in (("enable_text", True), ("enable_image", True), ("enable_metadata", False)):
         parser.add_argument(f"--{name}", type=_flag_bool, nargs="?", const=True, default=default,
                             help=f"True or False (default {default})")
@@ -71,12 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_model(clip_model: str, model_name: str | None):
-    """(model, params, image mean, image std, resize mode) of what `--clip_model` names."""
+def load_model(clip_model: str, model_name: str | None, max_num_patches: int | None = None):
+    """(model, params, image mean, image std, resize mode) of what `--clip_model` names (a NaFlex model's resize
+    at `max_num_patches`, None: its own budget)."""
     from clip_jax.interop.opener import open_model
 
-    return read_model(open_model(clip_model, model_name, what="--clip_model"), f"--clip_model {clip_model}",
-                      model_name)
+    opened = open_model(clip_model, model_name, what="--clip_model", max_num_patches=max_num_patches)
+    return read_model(opened, f"--clip_model {clip_model}", model_name)
 
 
 def read_model(opened, named: str, model_name: str | None):
@@ -145,12 +148,13 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
     if estimate == 0:
         raise MissingInput(f"--input_dataset {args.input_dataset}: no samples found (images with .txt captions)")
     parts = args.output_partition_count or embed_parts.partition_count(estimate, args.write_batch_size)
-    model, params, mean, std, resize_mode = load_model(args.clip_model, args.model)
+    model, params, mean, std, resize_mode = load_model(args.clip_model, args.model, args.max_num_patches)
     record = {"clip_model": os.path.abspath(args.clip_model), "weights": embed_writer.weights_digest(params),
               "input_dataset": args.input_dataset if "://" in args.input_dataset else os.path.abspath(
                   args.input_dataset), "input_format": args.input_format, "parts": parts,
               "enable_image": args.enable_image, "enable_text": args.enable_text,
-              "enable_metadata": args.enable_metadata}
+              "enable_metadata": args.enable_metadata,
+              **({"max_num_patches": resize_mode.max_num_patches} if isinstance(resize_mode, NaFlexResize) else {})}
     embed_writer.check_output(args.output_folder, record)
     if process_index == 0:
         embed_writer.claim_output(args.output_folder, record)
@@ -190,7 +194,8 @@ def run(args, process_index: int = 0, process_count: int = 1) -> dict:
                         embed_parts.part_paths(args.output_folder, part, parts, kinds), progress,
                         embed_parts.part_number(part, parts))
     return {"parts": parts, "parts_written": len(todo), "parts_kept": len(mine) - len(todo),
-            "samples": progress.samples, "skipped": dict(sorted(skipped.items())), "samples_per_s": progress.rate()}
+            "samples": progress.samples, "skipped": dict(sorted(skipped.items())), "samples_per_s": progress.rate(),
+            "max_num_patches": resize_mode.max_num_patches if isinstance(resize_mode, NaFlexResize) else None}
 
 
 def _part_samples(args, fmt, part_input: list, skipped: collections.Counter):
@@ -240,6 +245,8 @@ def main(argv=None) -> int:
     skipped = ", ".join(f"{reason} {count}" for reason, count in summary["skipped"].items()) or "none"
     print(f"embedded {summary['samples']:,} samples into {summary['parts_written']} parts of {summary['parts']} "
           f"({summary['parts_kept']} written before kept) in {args.output_folder}, "
-          f"{summary['samples_per_s']:.1f} samples/s; skipped: {skipped}")
+          f"{summary['samples_per_s']:.1f} samples/s"
+          + (f", images at {summary['max_num_patches']} patches" if summary["max_num_patches"] else "")
+          + f"; skipped: {skipped}")
     return 0
 

@@ -39,7 +39,7 @@ from clip_jax.evaluation.encoder import replicate
 from clip_jax.evaluation.evaluator import EvalSetting, TaskData, task_named
 from clip_jax.evaluation.retrieval import evaluate_retrieval, first_images
 from clip_jax.evaluation.sources import load_retrieval_set
-from clip_jax.interop.opener import open_model
+from clip_jax.interop.opener import add_budget_argument, open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.models.variables import eval_variables
 from clip_jax.runtime import entry, ownership, stop_signals, storage
@@ -150,7 +150,11 @@ def format_tables(results: dict) -> str:
 
 def run(args) -> dict:
     # the model an exported folder or a run holds (at the image size it trained at), unless --model names one
-    opened = open_model(args.checkpoint, args.model, what="--checkpoint") if args.checkpoint else None
+    opened = (open_model(args.checkpoint, args.model, what="--checkpoint", max_num_patches=args.max_num_patches)
+              if args.checkpoint else None)
+    if opened is None and args.max_num_patches is not None:
+        raise InvalidInput(f"--max_num_patches {args.max_num_patches} is a NaFlex model's patch budget: give the "
+                           "model as --checkpoint (a freshly initialised model reads fixed-size images)")
     if opened is None:
         args.mean, args.std = tuple(args.mean or OPENAI_MEAN), tuple(args.std or OPENAI_STD)
     else:
@@ -198,7 +202,8 @@ def run(args) -> dict:
         results[record["dataset"]] = record
     return {"model": args.model, "checkpoint": args.checkpoint, "num_devices": mesh.size,
             "compute_dtype": args.compute_dtype, "batch_size": batch_size, "mean": list(args.mean),
-            "std": list(args.std), "resize_mode": args.resize_mode, "results": results}
+            "std": list(args.std), "resize_mode": str(args.resize_mode),
+            "max_num_patches": getattr(args.resize_mode, "max_num_patches", None), "results": results}
 
 
 def parse_args(argv=None):
@@ -247,6 +252,7 @@ def parse_args(argv=None):
     own = "(default: the checkpoint's own, from an exported folder's preprocess_cfg or a run's config, else OpenAI's)"
     parser.add_argument("--mean", type=float, nargs=3, help=f"image mean {own}")
     parser.add_argument("--std", type=float, nargs=3, help=f"image std {own}")
+    add_budget_argument(parser)
     parser.add_argument("--batch-size", type=int, default=256, help="global batch (rounded up to a multiple of the "
                         "number of devices)")
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
@@ -296,6 +302,8 @@ def main(argv=None) -> int:
     report = run(args)
     if jax.process_index() == 0:
         print(format_tables(report["results"]))
+        if report["max_num_patches"]:
+            print(f"images at {report['max_num_patches']} patches (NaFlex)")
         if args.output:
             with stop_signals.unfinished(args.output), open(args.output, "w") as f:
                 json.dump(report, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))

@@ -79,6 +79,10 @@ def run(args) -> dict:
     if not args.prompt.strip():
         raise InvalidInput("--prompt is empty: give the text the image should match")
     opened = open_model(args.checkpoint, args.model, what="--checkpoint")
+    if opened.naflex:
+        raise InvalidInput(f"--checkpoint {args.checkpoint}: {opened.config.name} is a NaFlex model; guide optimises "
+                           "a square image at one size, which a NaFlex tower does not read: give a fixed-resolution "
+                           "model")
     model = create_model(opened.config)
     mean, std = opened.normalization()
     model_size = model.config.vision.image_size

@@ -327,10 +327,11 @@ def path_problems(path, what: str) -> list[str]:
     return []
 
 
-def open_model(path, model=None, *, what: str = "") -> OpenedModel:
+def open_model(path, model=None, *, what: str = "", max_num_patches: int | None = None) -> OpenedModel:
     """The model `path` holds (see the module docstring). `model` (a name, OpenCLIP model config or `CLIPConfig`)
     is the model to read the weights as, fitted to it; None: the one the path holds, which a weights file does not
-    say. `what` names the path in an error (a flag: "--pretrained")."""
+    say. `what` names the path in an error (a flag: "--pretrained"). `max_num_patches`: a NaFlex model's patch budget
+    (a command's `--max_num_patches`; None: the model's own), refused for another model (`OpenedModel.at_budget`)."""
     from clip_jax.text.model_tokenizer import with_folder_tokenizer
 
     source = model_source(path, what)
@@ -341,7 +342,8 @@ def open_model(path, model=None, *, what: str = "") -> OpenedModel:
         raise InvalidInput(f"{named} is {source.kind}, which does not say which model it holds: name the model "
                            "(--model NAME, e.g. ViT-L-14)")
     # a SigLIP folder's tokenizer files are its model's tokenizer, whichever model config reads its weights
-    return OpenedModel(source, with_folder_tokenizer(config, source.path if os.path.isdir(source.path) else None))
+    opened = OpenedModel(source, with_folder_tokenizer(config, source.path if os.path.isdir(source.path) else None))
+    return opened.at_budget(max_num_patches)
 
 
 def load_pretrained(path: str, name_or_config) -> dict:

@@ -30,7 +30,7 @@ from clip_jax.data.transforms import eval_crop, normalize
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import similarity_inputs as inputs
 from clip_jax.interop.inference import eval_transform
-from clip_jax.interop.opener import open_model
+from clip_jax.interop.opener import add_budget_argument, open_model
 from clip_jax.models import create_model, init_variables
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 from clip_jax.runtime import entry, ownership
@@ -45,10 +45,16 @@ def one_image_per_class(images: np.ndarray, labels: np.ndarray, num_classes: int
     return images[first], labels[first]
 
 
-def preprocess(grey: np.ndarray, size: int, mean, std) -> np.ndarray:
-    """uint8 [N, h, w] greyscale -> float32 [N, size, size, 3], the eval transform and the model's normalisation."""
-    crops = np.stack([eval_crop(Image.fromarray(x).convert("RGB"), size) for x in grey])
+def preprocess(grey: np.ndarray, size: int, mean, std, resize_mode="shortest") -> np.ndarray:
+    """uint8 [N, h, w] greyscale -> float32 [N, size, size, 3] (NaFlex rows under a `NaFlexResize`), the eval
+    transform and the model's normalisation."""
+    crops = np.stack([eval_crop(Image.fromarray(x).convert("RGB"), size, resize_mode) for x in grey])
     return normalize(crops, mean, std)
+
+
+def _resized(image, *, size: int, mean, std, resize_mode) -> np.ndarray:
+    """The eval transform of a NaFlex model: NaFlex rows, normalised."""
+    return normalize(eval_crop(image.convert("RGB"), size, resize_mode), mean, std)
 
 
 def format_table(probs: np.ndarray, row_names, column_names) -> str:
@@ -122,28 +128,30 @@ def open_checkpoint(args):
     if not args.checkpoint:
         model = create_model(args.model or DEFAULT_MODEL)
         return model, None, tuple(args.mean or OPENAI_MEAN), tuple(args.std or OPENAI_STD)
-    opened = open_model(args.checkpoint, args.model, what="--checkpoint")
+    opened = open_model(args.checkpoint, args.model, what="--checkpoint", max_num_patches=args.max_num_patches)
     return create_model(opened.config), opened, *opened.normalization(args.mean, args.std)
 
 
-def demo_images(args, size: int, mean, std):
+def demo_images(args, size: int, mean, std, resize_mode="shortest"):
     """(class names, one image batch of the first test image of each class, the class of each, the prompts)."""
     classes = fashion_mnist.CLASS_NAMES
     grey, labels = one_image_per_class(*fashion_mnist.load("test", args.data_dir), len(classes))
     names = [classes[int(y)] for y in labels]
     prompts = [f"a photo of {fashion_mnist.with_article(c)}." for c in classes]
-    return [(names, preprocess(grey, size, mean, std))], labels, prompts
+    return [(names, preprocess(grey, size, mean, std, resize_mode))], labels, prompts
 
 
 def run(args) -> dict:
     model, opened, mean, std = open_checkpoint(args)
     tokenize = tokenizer_for(model.config)  # checked before any image is read
     texts, size = texts_of(args), model.config.vision.image_size
+    resize_mode = opened.resize_mode if opened is not None and opened.naflex else "shortest"
     if texts is None:
-        image_batches, labels, texts = demo_images(args, size, mean, std)
+        image_batches, labels, texts = demo_images(args, size, mean, std, resize_mode)
     else:
         paths, skipped = inputs.image_paths(args.images), []
-        transform = functools.partial(eval_transform, size=size, mean=mean, std=std)
+        transform = (functools.partial(eval_transform, size=size, mean=mean, std=std) if resize_mode == "shortest"
+                     else functools.partial(_resized, size=size, mean=mean, std=std, resize_mode=resize_mode))
         image_batches = inputs.batches(inputs.read_images(paths, transform, skipped), args.batch_size)
     if opened is not None:
         variables = opened.variables()  # params, and a ResNet image tower's BatchNorm statistics (eval mode)
@@ -162,7 +170,8 @@ def run(args) -> dict:
         print(f"skipped {s.path}: {s.reason}", file=sys.stderr)
     if not names:
         raise MissingInput(f"no image of --images decodes ({plural(len(paths), 'image')} tried): see the lines above")
-    print(f"{plural(len(names), 'image')} x {plural(len(texts), 'text')}, {kind}:")
+    budget = f" (at {opened.max_num_patches} patches)" if opened is not None and opened.naflex else ""
+    print(f"{plural(len(names), 'image')}{budget} x {plural(len(texts), 'text')}, {kind}:")
     print(format_top(probs, names, texts, args.top))
     report["skipped"] = [{"image": s.path, "reason": s.reason} for s in skipped]
     return report
@@ -174,6 +183,7 @@ def parse_args(argv):
                         "exported or transformers folder, or a weights file (with --model)")
     parser.add_argument("--model", help="model name or OpenCLIP model-config .json: the model to read --checkpoint "
                         f"as (default: the one it holds), or to initialise without it (default {DEFAULT_MODEL})")
+    add_budget_argument(parser)
     parser.add_argument("--images", nargs="+", metavar="PATH", help="image files and/or folders of them (default: "
                         "the Fashion-MNIST demo)")
     parser.add_argument("--labels", help="the texts to match the images with, comma-separated: \"a dog,a cat\"")

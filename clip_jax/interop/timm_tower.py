@@ -27,6 +27,10 @@ def timm_args(folder: str) -> tuple[str, dict, dict]:
     """(timm model name, `timm.create_model` keyword arguments, `timm.data.create_transform` keyword arguments) of
     the image tower of the exported model in `folder`."""
     config_path, weights_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
+    if not os.path.isfile(config_path) and _model_type(folder) == "siglip2":
+        raise InvalidInput(f"{folder} is a transformers SigLIP 2 NaFlex folder: timm builds its tower "
+                           "(naflexvit_*_siglip) from its own checkpoints, not from a clip_jax export; load the folder "
+                           "with transformers' Siglip2Model")
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise MissingInput(f"{path} does not exist: give a folder `python -m clip_jax.export` wrote")
@@ -49,6 +53,15 @@ def timm_args(folder: str) -> tuple[str, dict, dict]:
             "crop_pct": 1.0, "crop_mode": "center", "mean": tuple(preprocess.get("mean", OPENAI_MEAN)),
             "std": tuple(preprocess.get("std", OPENAI_STD))}
     return name, kwargs, data
+
+
+def _model_type(folder: str) -> str | None:
+    """The `model_type` of a transformers folder's config.json (None: none there, or not one)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def refusal(model: dict) -> str | None:
