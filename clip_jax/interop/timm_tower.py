@@ -28,9 +28,9 @@ def timm_args(folder: str) -> tuple[str, dict, dict]:
     the image tower of the exported model in `folder`."""
     config_path, weights_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(config_path) and _model_type(folder) == "siglip2":
-        raise InvalidInput(f"{folder} is a transformers SigLIP 2 NaFlex folder: timm builds its tower "
-                           "(naflexvit_*_siglip) from its own checkpoints, not from a clip_jax export; load the folder "
-                           "with transformers' Siglip2Model")
+        raise InvalidInput(f"{folder} is a transformers SigLIP 2 NaFlex folder (no {CONFIG_FILE}): this names "
+                           "timm's CLIP ViT for OpenCLIP exports of a plain ViT tower; load the folder with "
+                           "transformers' Siglip2Model")
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise MissingInput(f"{path} does not exist: give a folder `python -m clip_jax.export` wrote")
