@@ -126,6 +126,9 @@ def open_checkpoint(args):
     """(model, OpenedModel or None, mean, std): `--checkpoint` as the model it holds (or `--model`), else a fresh
     `--model`."""
     if not args.checkpoint:
+        if args.max_num_patches is not None:
+            raise InvalidInput(f"--max_num_patches {args.max_num_patches} is a NaFlex model's patch budget: give the "
+                               "model as --checkpoint (a freshly initialised model reads fixed-size images)")
         model = create_model(args.model or DEFAULT_MODEL)
         return model, None, tuple(args.mean or OPENAI_MEAN), tuple(args.std or OPENAI_STD)
     opened = open_model(args.checkpoint, args.model, what="--checkpoint", max_num_patches=args.max_num_patches)
