@@ -12,11 +12,11 @@ the same search, so every grid equals the processor's.
 The pixels (`naflex_rows`): Pillow's bilinear, antialiased resize of the uint8 image to the grid's size, one side at
 a time, the width first (a single Pillow resize picks the cheaper order, torch always this one), then
 `(x / 255 - mean) / std` in float32, then the patches in row-major order over the grid, each in (row, column,
-channel) order. The processor by default (its torchvision backend, on a CPU with AVX2 or AVX-512) resizes the uint8 image with
-torch's integer kernel: Pillow's algorithm in the same order of passes, its weights rounded to 16-bit integers
-rather than Pillow's 22-bit fixed point. So a few resized values round to the neighbouring level (typically 0.1-0.3%
-of them, up to about 5% at near-2x reductions): a value differs by at most 1 / (255 * std), the rest agree to
-float32 rounding. The grids, the patch order and the padding are equal.
+channel) order. The processor by default (its torchvision backend, on a CPU with AVX2 or AVX-512) resizes the
+uint8 image with torch's integer kernel: Pillow's algorithm in the same order of passes, its weights rounded to
+16-bit integers rather than Pillow's 22-bit fixed point. So a few resized values round to the neighbouring level
+(typically 0.1-0.3% of them, up to about 5% at near-2x reductions): a value differs by at most 1 / (255 * std), the
+rest agree to float32 rounding. The grids, the patch order and the padding are equal.
 """
 
 from __future__ import annotations
