@@ -19,7 +19,6 @@ from typing import Any
 
 import grain
 import numpy as np
-from PIL import Image
 
 from clip_jax.data import transforms
 
@@ -28,11 +27,7 @@ def eval_image(image: "bytes | np.ndarray", image_size: int, resize_mode: str = 
     """OpenCLIP's eval transform of encoded bytes or a uint8 array [H, W(, 3)]: RGB, bicubic shortest-side resize,
     center crop -> uint8 [S, S, 3] (`resize_mode` "squash": the whole image resized to S x S, as a SigLIP folder's
     processor does). Bytes that do not decode raise `transforms.ImageDecodeError`."""
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        pil = transforms.decode_rgb(bytes(image))
-    else:
-        pil = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
-    return transforms.eval_crop(pil, image_size, resize_mode)
+    return transforms.eval_crop(transforms.to_rgb(image), image_size, resize_mode)
 
 
 def pad_rows(rows: np.ndarray, size: int, fill=0) -> np.ndarray:

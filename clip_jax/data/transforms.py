@@ -64,6 +64,15 @@ def decode_rgb(data: bytes, max_pixels: int | None = None) -> Image.Image:
     return image
 
 
+def to_rgb(image: "bytes | np.ndarray | Image.Image") -> Image.Image:
+    """An RGB PIL image from encoded bytes (`decode_rgb`), a uint8 array [H, W(, 3)] or a PIL image of any mode."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return decode_rgb(bytes(image))
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image, np.uint8))
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def random_resized_crop_box(
     width: int,
     height: int,
