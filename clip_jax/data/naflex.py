@@ -83,6 +83,19 @@ def naflex_patches(pixels: np.ndarray, patch_size: int) -> np.ndarray:
     return grid.reshape(rows * columns, patch_size * patch_size * channels)
 
 
+def naflex_pixels(image: Image.Image, patch_size: int, max_num_patches: int) -> np.ndarray:
+    """An RGB image's NaFlex rows before normalisation, float32 [max_num_patches, P * P * 3 + 2], pixels 0-255:
+    resized (bilinear, antialiased) to its `naflex_grid`, cut into patches, padded to the budget. The eval transform
+    of a NaFlex model (`transforms.NaFlexResize`); `transforms.normalize` normalises them."""
+    rows, columns = naflex_grid(image.height, image.width, patch_size, max_num_patches)
+    width, height = columns * patch_size, rows * patch_size
+    if image.width != width:  # the width first, then the height, as torch does (Pillow picks the cheaper order)
+        image = image.resize((width, image.height), Image.Resampling.BILINEAR)
+    if image.height != height:
+        image = image.resize((width, height), Image.Resampling.BILINEAR)
+    return pack_rows(naflex_patches(np.asarray(image), patch_size), (rows, columns), max_num_patches)
+
+
 def naflex_rows(
     image: Image.Image,
     patch_size: int,
@@ -90,16 +103,9 @@ def naflex_rows(
     mean: Sequence[float] = SIGLIP2_MEAN,
     std: Sequence[float] = SIGLIP2_STD,
 ) -> np.ndarray:
-    """An RGB image's NaFlex rows float32 [max_num_patches, P * P * 3 + 2]: resized (bilinear, antialiased) to its
-    `naflex_grid`, normalised as `(x / 255 - mean) / std`, cut into patches, padded to the budget."""
-    rows, columns = naflex_grid(image.height, image.width, patch_size, max_num_patches)
-    width, height = columns * patch_size, rows * patch_size
-    if image.width != width:  # the width first, then the height, as torch does (Pillow picks the cheaper order)
-        image = image.resize((width, image.height), Image.Resampling.BILINEAR)
-    if image.height != height:
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    pixels = transforms.normalize(np.asarray(image), mean, std)
-    return pack_rows(naflex_patches(pixels, patch_size), (rows, columns), max_num_patches)
+    """An RGB image's NaFlex rows float32 [max_num_patches, P * P * 3 + 2]: `naflex_pixels` normalised as
+    `(x / 255 - mean) / std`."""
+    return transforms.normalize(naflex_pixels(image, patch_size, max_num_patches), mean, std)
 
 
 @dataclasses.dataclass(frozen=True)

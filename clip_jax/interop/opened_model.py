@@ -3,6 +3,7 @@ tokenizer, and, for a NaFlex model, the patch budget its images are read at (`--
 
 import functools
 
+from clip_jax.data.naflex import check_budget
 from clip_jax.errors import InvalidInput
 from clip_jax.interop.hf_processor import DEFAULT_MAX_NUM_PATCHES
 from clip_jax.models.config import CLIPConfig, is_resnet
@@ -59,10 +60,7 @@ class OpenedModel:
         if not self.naflex:
             raise InvalidInput(f"--max_num_patches {max_num_patches}: {self.config.name} is not a NaFlex model (it "
                                f"reads images at {self.config.vision.image_size} px); leave --max_num_patches out")
-        if max_num_patches < 1:
-            raise InvalidInput(f"--max_num_patches {max_num_patches}: a NaFlex model needs at least one patch per "
-                               "image; give a budget of 1 or more (its processor's: "
-                               f"{self.preprocessing.get('max_num_patches') or DEFAULT_MAX_NUM_PATCHES})")
+        check_budget(max_num_patches)
         return OpenedModel(self.source, self.config, max_num_patches)
 
     def budget_clause(self) -> str:
