@@ -10,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from tiny_model import naflex_model
 
 from clip_jax import plan as planner
 from clip_jax.errors import InvalidInput
@@ -22,17 +23,6 @@ from clip_jax.training.step_factory import StepSpec, build_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAFLEX = "ViT-SO400M-16-SigLIP2-NaFlex"
-TINY_NAFLEX = {  # a NaFlex tower of demo size: patches of 8, a 4 x 4 position grid
-    "embed_dim": 64,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16, "pool_type": "map",
-                   "no_ln_pre": True},
-    "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
-}
-
-
-def naflex(cfg: dict):
-    config = get_model_config(cfg)
-    return dataclasses.replace(config, vision=dataclasses.replace(config.vision, naflex=True))
 
 
 def products(matmuls) -> int:
@@ -95,7 +85,7 @@ def test_a_budget_is_needed_by_a_naflex_tower_and_refused_by_any_other():
 
 
 def test_the_planned_steps_images_are_naflex_rows_of_the_budget_split_over_the_devices():
-    spec = StepSpec.for_model(naflex(TINY_NAFLEX), "bf16", max_num_patches=12)
+    spec = StepSpec.for_model(naflex_model(), "bf16", max_num_patches=12)
     mesh = create_mesh(jax.devices()[:8])
     batch = build_step(spec, mesh).abstract_batch(per_device_batch=3)
     images, tokens = batch["images"], batch["tokens"]
@@ -109,7 +99,7 @@ def test_the_planned_steps_images_are_naflex_rows_of_the_budget_split_over_the_d
     assert flops.forward_analytic == forward_flops(spec.model, max_num_patches=12)
     assert flops.train_analytic == 3 * flops.forward_analytic
     with pytest.raises(InvalidInput, match="image tower is NaFlex: give max_num_patches"):
-        build_step(StepSpec.for_model(naflex(TINY_NAFLEX)), mesh).abstract_batch(per_device_batch=3)
+        build_step(StepSpec.for_model(naflex_model()), mesh).abstract_batch(per_device_batch=3)
 
 
 def tiny_naflex_run(**fields):
