@@ -57,7 +57,7 @@ def row(model: str, budget: int | None, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'model':<30}{'patches':>8}{'batch':>6}{'GFLOP/s.':>10}{'GiB':>8}{'largest':>8}{'pred. s/s':>11}"
+    lines = [f"{'model':<30}{'patches':>8}{'batch':>6}{'train GF':>10}{'GiB':>8}{'largest':>8}{'pred. s/s':>11}"
              f"{'MFU s/s':>9}{'plan s':>8}"]
     for r in rows:
         largest = "-" if r["largest_batch"] is None else str(r["largest_batch"])
@@ -86,7 +86,8 @@ def main() -> None:
     for model, budget in plans:
         print(f"planning {model}" + (f" at {budget} patches" if budget else ""), flush=True)
         rows.append(row(model, budget, args))
-    print(f"\n{args.gpus} x {args.gpu}, deviceless XLA:GPU; samples/s per GPU\n" + table(rows))
+    print(f"\n{args.gpus} x {args.gpu}, deviceless XLA:GPU; train GFLOP per sample, GiB per device, samples/s per "
+          "GPU (predicted from the kernels, and the MFU rule's)\n" + table(rows))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "naflex_plan.json").write_text(json.dumps({"gpu": args.gpu, "gpus": args.gpus, "rows": rows}, indent=2))
