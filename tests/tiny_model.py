@@ -2,9 +2,12 @@
 by the step tests (tests/conftest.py hands the model and batch out as fixtures too). Also the check that a model's
 bfloat16 compute gives its float32 features."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
+from clip_jax.models import get_model_config
 from clip_jax.training.step_factory import OptimizerSpec
 
 # Two layers a tower and a vocabulary of 1,000, so a sharded step compiles in seconds. (The OpenCLIP parity tests
@@ -14,8 +17,21 @@ TINY_MODEL = {
     "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16},
     "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 32, "heads": 2, "layers": 2},
 }
+# The tiny model's towers with SigLIP 2's NaFlex image tower (attention-pooled, a 4 x 4 position grid of patches of 8).
+TINY_NAFLEX = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 16, "pool_type": "map",
+                   "no_ln_pre": True},
+    "text_cfg": TINY_MODEL["text_cfg"],
+}
 SGD_LR = 0.5  # plain SGD, so the parameter change is the gradient itself (Adam's first step is ~sign(grad))
 SGD = OptimizerSpec("sgd", lr=SGD_LR)
+
+
+def naflex_model(cfg=TINY_NAFLEX):
+    """The model of an OpenCLIP config dict with its (attention-pooled) image tower NaFlex."""
+    config = get_model_config(cfg)
+    return dataclasses.replace(config, vision=dataclasses.replace(config.vision, naflex=True))
 
 
 def random_batch(rows: int) -> dict[str, np.ndarray]:

@@ -7,6 +7,13 @@ tower's blocks see the class token and the kept patches only (every patch is sti
 SigLIP's image tower has no class token and no projection; its attention pool (probe query, keys and values of every
 token, output projection, MLP) is counted.
 
+A NaFlex image tower (SigLIP 2's, `vision.naflex`) is counted at a patch budget, `max_num_patches`, which the
+functions that count it take (a NaFlex config without one, or a budget for any other tower, is refused): its blocks
+and attention pool see the budget's tokens whole, padding patches included, since they are computed (the mask
+only keeps them out of the attention's weights); the linear embedding of each flattened patch has the MACs of the
+patch convolution. Resizing the position grid to each image's grid is elementwise work (an interpolation) and is
+left out, as norms are.
+
 A ResNet image tower (OpenCLIP's ModifiedResNet) counts its convolutions (2 x input channels x output channels x
 the kernel taps that read the image, each conv at the resolution it runs at: a block's strided 2x2 average pool comes
 before its last 1x1 conv and its shortcut's) and the attention pool (the query of the one mean token, keys and values of
@@ -14,6 +21,7 @@ every cell and the mean, scores, weighted sum, output projection). BatchNorm, Re
 elementwise and left out, as norms are for a ViT; train and eval count the same (no patch dropout)."""
 
 from clip_jax.models.config import CLIPConfig, ResNetVisionConfig, VisionConfig, is_resnet
+from clip_jax.models.naflex import patch_budget
 from clip_jax.models.resnet import EXPANSION
 from clip_jax.models.vit import kept_patch_count
 
@@ -28,10 +36,16 @@ def _transformer_macs(tokens: int, width: int, mlp_width: int, layers: int) -> i
     return layers * per_layer
 
 
-def image_tokens(vision: VisionConfig, train: bool = False) -> int:
-    """Tokens the image tower's blocks see: the class token (SigLIP's tower has none) and every patch, or in
-    training the kept patches."""
-    patches = vision.grid_size**2
+def image_patches(vision: VisionConfig, max_num_patches: int | None = None) -> int:
+    """Patches the image tower embeds: its grid's, or a NaFlex tower's budget (padding patches are computed too)."""
+    budget = patch_budget(vision, max_num_patches)
+    return vision.grid_size**2 if budget is None else budget
+
+
+def image_tokens(vision: VisionConfig, train: bool = False, max_num_patches: int | None = None) -> int:
+    """Tokens the image tower's blocks see: the class token (SigLIP's tower has none) and every patch (a NaFlex
+    tower's: its budget's), or in training the kept patches."""
+    patches = image_patches(vision, max_num_patches)
     return int(not vision.attention_pool) + (kept_patch_count(patches, vision.patch_dropout) if train else patches)
 
 
@@ -72,13 +86,14 @@ def resnet_image_macs(v: ResNetVisionConfig, embed_dim: int) -> int:
     return macs
 
 
-def image_forward_flops(config: CLIPConfig, train: bool = False) -> int:
+def image_forward_flops(config: CLIPConfig, train: bool = False, max_num_patches: int | None = None) -> int:
+    """FLOPs of one image through the image tower (a NaFlex tower's at `max_num_patches`)."""
+    patch_budget(config.vision, max_num_patches, config.name)  # refused where it does not belong, named
     if is_resnet(config):
         return 2 * resnet_image_macs(config.vision, config.embed_dim)
     v = config.vision
-    patches = v.grid_size**2
-    macs = patches * (v.patch_size**2 * 3) * v.width  # patch embedding
-    tokens = image_tokens(v, train)
+    macs = image_patches(v, max_num_patches) * (v.patch_size**2 * 3) * v.width  # patch embedding
+    tokens = image_tokens(v, train, max_num_patches)
     macs += _transformer_macs(tokens, v.width, v.mlp_width, v.layers)
     if v.attention_pool:
         macs += _attention_pool_macs(tokens, v.width, v.mlp_width)
@@ -95,13 +110,14 @@ def text_forward_flops(config: CLIPConfig) -> int:
     return 2 * macs
 
 
-def forward_flops(config: CLIPConfig, train: bool = False) -> int:
-    """FLOPs of one sample through both towers (`train`: with the step's patch dropout)."""
-    return image_forward_flops(config, train) + text_forward_flops(config)
+def forward_flops(config: CLIPConfig, train: bool = False, max_num_patches: int | None = None) -> int:
+    """FLOPs of one sample through both towers (`train`: with the step's patch dropout; a NaFlex image tower at
+    `max_num_patches`)."""
+    return image_forward_flops(config, train, max_num_patches) + text_forward_flops(config)
 
 
-def train_flops(config: CLIPConfig, remat: bool = False) -> int:
+def train_flops(config: CLIPConfig, remat: bool = False, max_num_patches: int | None = None) -> int:
     """FLOPs of one sample in a train step: forward + backward (2x forward), plus one more forward when every
     block is rematerialised. The contrastive loss (B x B logits) is negligible and left out. Under patch dropout
-    only the kept tokens count."""
-    return (4 if remat else 3) * forward_flops(config, train=True)
+    only the kept tokens count; a NaFlex image tower counts its budget, `max_num_patches`."""
+    return (4 if remat else 3) * forward_flops(config, train=True, max_num_patches=max_num_patches)

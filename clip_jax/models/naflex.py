@@ -9,7 +9,11 @@ travel every path an image batch does (padding rows, splitting over devices) and
 one compiled program serves every aspect ratio at a budget.
 """
 
+import numbers
+
 import numpy as np
+
+from clip_jax.errors import InvalidInput
 
 GRID_COLUMNS = 2  # (rows, columns) of the image's patch grid, after the pixels
 
@@ -17,6 +21,33 @@ GRID_COLUMNS = 2  # (rows, columns) of the image's patch grid, after the pixels
 def row_width(patch_size: int) -> int:
     """The width of a NaFlex row for patches of `patch_size`: the pixels, then the grid."""
     return patch_size * patch_size * 3 + GRID_COLUMNS
+
+
+def patch_budget(vision, max_num_patches: int | None, name: str = "this model") -> int | None:
+    """The patch budget an image tower runs at: `max_num_patches` for a NaFlex tower, which needs one; None for any
+    other tower (a ViT's or a ResNet's config), which takes square images and refuses a budget. `name` names the
+    model in the one-line `InvalidInput`."""
+    if not getattr(vision, "naflex", False):
+        if max_num_patches is not None:
+            raise InvalidInput(f"max_num_patches={max_num_patches}: {name}'s image tower is not NaFlex (it takes "
+                               f"{vision.image_size} x {vision.image_size} images): leave max_num_patches out")
+        return None
+    if max_num_patches is None:
+        raise InvalidInput(f"{name}'s image tower is NaFlex: give max_num_patches, its patch budget per image "
+                           f"(padding included; e.g. {vision.grid_size**2}, its position grid's "
+                           f"{vision.grid_size} x {vision.grid_size})")
+    if isinstance(max_num_patches, bool) or not isinstance(max_num_patches, numbers.Integral) or max_num_patches < 1:
+        raise InvalidInput(f"max_num_patches={max_num_patches!r}: give a positive number of patches per image")
+    return int(max_num_patches)
+
+
+def image_input_shape(vision, max_num_patches: int | None = None, name: str = "this model") -> tuple[int, ...]:
+    """One sample's image input: [image_size, image_size, 3] pixels, or a NaFlex tower's rows
+    [max_num_patches, P * P * 3 + 2] (both float32)."""
+    budget = patch_budget(vision, max_num_patches, name)
+    if budget is None:
+        return vision.image_size, vision.image_size, 3
+    return budget, row_width(vision.patch_size)
 
 
 def pack_rows(patches, grid: tuple[int, int], max_num_patches: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The named models (OpenCLIP's own model configs) and `get_model_config`, which resolves a name, an OpenCLIP
 model-config `.json` file or dict, or a `CLIPConfig` to a `CLIPConfig`."""
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -115,8 +116,16 @@ _OPEN_CLIP_CONFIGS = {
 }
 
 
+# clip_jax's own models, each a model above with its image tower changed (OpenCLIP's JSON has no key for the change).
+# SigLIP 2's NaFlex SO400M/16 (google/siglip2-so400m-patch16-naflex): the towers of ViT-SO400M-16-SigLIP2-384, the
+# image tower NaFlex with a 16 x 16 learned position grid.
+_VARIANTS = {
+    "ViT-SO400M-16-SigLIP2-NaFlex": ("ViT-SO400M-16-SigLIP2-384", {"naflex": True, "image_size": 256}),
+}
+
+
 def list_models() -> list[str]:
-    return sorted(_OPEN_CLIP_CONFIGS)
+    return sorted([*_OPEN_CLIP_CONFIGS, *_VARIANTS])
 
 
 def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CLIPConfig") -> CLIPConfig:
@@ -136,7 +145,11 @@ def get_model_config(name_or_config: "str | os.PathLike | Mapping[str, Any] | CL
             raise InvalidInput(f"model config file {name} is not valid JSON: {e}") from None
         return config_from_open_clip(cfg, name=os.path.basename(name)[: -len(".json")])
     base, quick = (name[: -len("-quickgelu")], True) if name.endswith("-quickgelu") else (name, False)
+    base, vision_changes = _VARIANTS.get(base, (base, None))
     if base not in _OPEN_CLIP_CONFIGS:
         raise InvalidInput(f"unknown model {name!r}; known models: {', '.join(list_models())} (each also with "
                          "-quickgelu), or pass an OpenCLIP model-config .json file or dict")
-    return config_from_open_clip({**_OPEN_CLIP_CONFIGS[base], "quick_gelu": quick}, name=name)
+    config = config_from_open_clip({**_OPEN_CLIP_CONFIGS[base], "quick_gelu": quick}, name=name)
+    if vision_changes:
+        config = dataclasses.replace(config, vision=dataclasses.replace(config.vision, **vision_changes))
+    return config

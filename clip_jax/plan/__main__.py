@@ -6,6 +6,8 @@ import jax
 
 from clip_jax import cli
 from clip_jax.errors import InvalidInput
+from clip_jax.models import get_model_config
+from clip_jax.models.naflex import patch_budget
 from clip_jax.plan.cost import PIPELINE_SAMPLES_PER_CORE_S
 from clip_jax.plan.planner import DEFAULT_MEMORY_FRACTION, MAX_SIMULATED_DEVICES, plan
 from clip_jax.plan.report import format_plan, plan_json
@@ -37,6 +39,8 @@ def main(argv) -> None:
         raise InvalidInput(f"unknown GPU {FLAGS.gpu!r}; known: {', '.join(GPUS)}")
     if not 1 <= FLAGS.gpus <= MAX_SIMULATED_DEVICES:
         raise InvalidInput(f"--gpus={FLAGS.gpus}: give 1 to {MAX_SIMULATED_DEVICES}")
+    model = get_model_config(FLAGS.config.model)
+    patch_budget(model.vision, FLAGS.max_num_patches, model.name)  # needed by a NaFlex tower, refused by any other
     compiler = choose_compiler(FLAGS.compiler)
     if compiler == "gpu":
         xla_gpu.parse_topology(FLAGS.topology, FLAGS.gpus)  # before anything compiles
@@ -50,7 +54,7 @@ def main(argv) -> None:
     result = plan(FLAGS.config, FLAGS.gpu, FLAGS.gpus, price=FLAGS.price, mfu=FLAGS.mfu,
                   memory_fraction=FLAGS.memory_fraction, pipeline_rate=FLAGS.pipeline_rate, compiler=compiler,
                   topology=FLAGS.topology, search_batch=FLAGS.search_batch, xla_flops=FLAGS.xla_flops,
-                  progress=say)
+                  max_num_patches=FLAGS.max_num_patches, progress=say)
     print(plan_json(result) if FLAGS.json else format_plan(result))
 
 
@@ -66,6 +70,8 @@ def _define_flags() -> None:
                       "who compiles the step: XLA:GPU without a GPU (needs '.[gpu]'), XLA:CPU, or auto (XLA:GPU "
                       "when installed)")
     flags.DEFINE_string("topology", None, "NODESxGPUS_PER_NODE for XLA:GPU, e.g. 96x4 (default: nodes of 8 GPUs)")
+    flags.DEFINE_integer("max_num_patches", None, "a NaFlex image tower's patch budget per image, padding included "
+                         "(required for a NaFlex model, e.g. 256; refused for any other)")
     flags.DEFINE_float("price", None, "price per GPU-hour, for the cost")
     flags.DEFINE_float("mfu", None, "model FLOPs utilisation to assume (default: measured, else the reference run's)")
     flags.DEFINE_float("memory_fraction", DEFAULT_MEMORY_FRACTION,

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clip_jax.models import CLIPConfig, is_resnet
+from clip_jax.models import is_resnet
 from clip_jax.models.flops import forward_flops, image_tokens, train_flops
 from clip_jax.models.layers import Transformer
 from clip_jax.models.precision import get_policy
@@ -50,20 +50,19 @@ def scanned_towers(setup: StepSpec) -> tuple[str, ...]:
     return ("text",) if is_resnet(setup.model) else TOWERS
 
 
-def _tower(config: CLIPConfig, tower: str) -> tuple[int, int, int, int, int, bool]:
-    """(width, heads, mlp_width, tokens, layers, causal) of a tower's residual stack."""
+def _tower(setup: StepSpec, tower: str, train: bool = False) -> tuple[int, int, int, int, int, bool]:
+    """(width, heads, mlp_width, tokens, layers, causal) of a tower's residual stack (`train`: the image tokens the
+    step's blocks see, only the kept patches under patch dropout; a NaFlex tower's at the step's patch budget)."""
     if tower == "image":
-        v = config.vision
-        return v.width, v.heads, v.mlp_width, v.num_tokens, v.layers, False
-    t = config.text
+        v = setup.model.vision
+        return v.width, v.heads, v.mlp_width, image_tokens(v, train, setup.max_num_patches), v.layers, False
+    t = setup.model.text
     return t.width, t.heads, t.mlp_width, t.num_tokens, t.layers, not t.no_causal_mask
 
 
 def block_flops(setup: StepSpec, tower: str, per_device_batch: int, *, train: bool) -> float:
     """XLA's count for one residual block of `tower` (a depth-2 scanned stack, whose loop body is counted once)."""
-    width, heads, mlp_width, tokens, _, causal = _tower(setup.model, tower)
-    if train and tower == "image":
-        tokens = image_tokens(setup.model.vision, train=True)  # the step's blocks see only the kept patches
+    width, heads, mlp_width, tokens, _, causal = _tower(setup, tower, train)
     policy = get_policy(setup.precision)
     block = (setup.model.vision if tower == "image" else setup.model.text).block
     stack = Transformer(width, 2, heads, mlp_width, causal=causal, quick_gelu=setup.model.quick_gelu,
@@ -83,7 +82,7 @@ def loop_corrected_flops(compiled, setup: StepSpec, per_device_batch: int, *, tr
     flops = compiled.cost_analysis()["flops"]
     if loop_bodies_counted_once():
         for tower in scanned_towers(setup):
-            layers = _tower(setup.model, tower)[4]
+            layers = _tower(setup, tower)[4]
             if layers > 1:
                 flops += (layers - 1) * block_flops(setup, tower, per_device_batch, train=train)
     return flops / per_device_batch
@@ -105,13 +104,16 @@ class FlopsPerSample:
 def _remat_extra_analytic(setup: StepSpec) -> float:
     if setup.remat_policy == "none":
         return 0.0
-    return float(train_flops(setup.model, remat=True) - train_flops(setup.model))
+    budget = setup.max_num_patches
+    return float(train_flops(setup.model, True, budget) - train_flops(setup.model, max_num_patches=budget))
 
 
 def analytic_only(setup: StepSpec) -> FlopsPerSample:
     """The analytic counts alone: no program is compiled."""
-    return FlopsPerSample(float(forward_flops(setup.model)), None, float(train_flops(setup.model)), None,
-                          _remat_extra_analytic(setup), None, None)
+    budget = setup.max_num_patches
+    return FlopsPerSample(float(forward_flops(setup.model, max_num_patches=budget)), None,
+                          float(train_flops(setup.model, max_num_patches=budget)), None, _remat_extra_analytic(setup),
+                          None, None)
 
 
 def flops_per_sample(setup: StepSpec, mesh, per_device_batch: int, *,

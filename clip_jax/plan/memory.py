@@ -9,6 +9,7 @@ import numpy as np
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig
+from clip_jax.models.naflex import image_input_shape
 from clip_jax.training.step_factory import StepMemory, StepSpec, build_step  # noqa: F401 (StepMemory: the planner's)
 
 
@@ -24,9 +25,11 @@ def state_bytes_per_device(spec: StepSpec, mesh) -> int:
     return total
 
 
-def batch_bytes_per_device(config: CLIPConfig, per_device_batch: int) -> int:
-    image_bytes = config.vision.image_size**2 * 3 * 4  # float32
-    return per_device_batch * (image_bytes + config.text.context_length * 4)  # int32 tokens
+def batch_bytes_per_device(config: CLIPConfig, per_device_batch: int, max_num_patches: int | None = None) -> int:
+    """Bytes of the batch one device holds: float32 images (a NaFlex tower's rows at `max_num_patches`) and int32
+    tokens."""
+    image_bytes = math.prod(image_input_shape(config.vision, max_num_patches, config.name)) * 4
+    return per_device_batch * (image_bytes + config.text.context_length * 4)
 
 
 def largest_fitting_batch(memory_of: Callable[[int], int], budget: int, *, guess: int = 1,

@@ -60,13 +60,15 @@ def _parameter_counts(setup: StepSpec) -> ParameterCounts:
 def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mfu: float | None = None,
          memory_fraction: float = DEFAULT_MEMORY_FRACTION, pipeline_rate: float = PIPELINE_SAMPLES_PER_CORE_S,
          compiler: str = "cpu", topology: str | None = None, devices=None, search_batch: bool = True,
-         xla_flops: bool = True, progress: Callable[[str], None] = lambda message: None) -> Plan:
+         xla_flops: bool = True, max_num_patches: int | None = None,
+         progress: Callable[[str], None] = lambda message: None) -> Plan:
     """The plan for training `config` on `num_gpus` GPUs of kind `gpu_name`.
 
     `compiler`: "gpu" compiles the step with XLA:GPU for `topology` ("NODESxGPUS", see `xla_gpu.parse_topology`)
     without a GPU; "cpu" with XLA:CPU over `devices`, one per GPU (default: the first `num_gpus` of
     `jax.devices()`). `xla_flops`: also count the FLOPs of XLA:CPU compiles of the step beside the analytic count
-    (a check of it; the speed and cost use the analytic count either way).
+    (a check of it; the speed and cost use the analytic count either way). `max_num_patches`: a NaFlex image tower's
+    patch budget per image, which it needs (any other tower refuses one).
     """
     gpu = get_gpu(gpu_name)
     if gpu.target is None:
@@ -76,6 +78,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     _check_arguments(num_gpus, price, mfu, memory_fraction, pipeline_rate)
     if compiler not in ("cpu", "gpu"):
         raise InvalidInput(f"compiler={compiler!r}: choose cpu or gpu")
+    setup = planned_spec(config, compiler, gpu, max_num_patches)
     nodes = 1
     if compiler == "gpu":
         nodes, per_node = xla_gpu.parse_topology(topology, num_gpus)
@@ -87,7 +90,6 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     if len(devices) != num_gpus:
         raise InvalidInput(f"planning for {num_gpus} GPUs needs {num_gpus} JAX devices, {len(devices)} are there: "
                            "run `python -m clip_jax.plan`, which simulates them, or set jax_num_cpu_devices first")
-    setup = planned_spec(config, compiler, gpu)
     batch_size, accum_freq = int(config.batch_size), int(config.accum_freq)
     if batch_size < 1 or accum_freq < 1 or batch_size % accum_freq:
         raise InvalidInput(f"batch_size={batch_size} (per device) must be a positive multiple of "
@@ -164,7 +166,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
     mfu_value, mfu_source = (mfu, "given (--mfu)") if mfu is not None else default_mfu(gpu, setup.precision)
     rule_rate = samples_per_s_per_gpu(mfu_value, gpu, setup.precision, flops.train_analytic)
     if (accum_needed or 1) > 1:  # features are computed twice: one more forward per sample
-        rule_rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, train=True))
+        rule_rate *= flops.train_analytic / (flops.train_analytic + forward_flops(setup.model, True, max_num_patches))
     predicted_rate = batch_size / predicted.seconds if predicted is not None else None
     rate = predicted_rate if predicted_rate is not None and mfu is None else rule_rate
     global_batch = batch_size * num_gpus
@@ -177,7 +179,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
         config=getattr(config, "name", "") or "", model=setup.model.name, gpu=gpu.name, gpus=num_gpus,
         setup=Setup(precision=setup.precision, remat_policy=setup.remat_policy, fsdp=setup.fsdp,
                     attention=setup.attention_impl, batch_size=batch_size, accum_freq=accum_freq,
-                    global_batch=global_batch),
+                    global_batch=global_batch, max_num_patches=max_num_patches),
         parameters=_parameter_counts(setup),
         flops_per_sample=flops,
         memory_per_device=MemoryPerDevice(
@@ -186,7 +188,7 @@ def plan(config, gpu_name: str, num_gpus: int, *, price: float | None = None, mf
             batch_size=batch_size, accum_freq=accum_freq, argument_bytes=planned.argument,
             output_bytes=planned.output, alias_bytes=planned.alias, temp_bytes=planned.temp,
             total_bytes=planned.total, state_bytes=state_bytes_per_device(setup, mesh),
-            batch_bytes=batch_bytes_per_device(setup.model, batch_size), gpu_bytes=gpu.memory_bytes,
+            batch_bytes=batch_bytes_per_device(setup.model, batch_size, max_num_patches), gpu_bytes=gpu.memory_bytes,
             memory_fraction=memory_fraction, usable_bytes=budget, fits=fits,
             largest_batch=largest, largest_batch_compiles=len(memory_probes) if search_batch else 0,
             accum_freq_needed=accum_needed, bytes_per_sample_fit=fit[1] if fit else None),

@@ -25,7 +25,9 @@ def _memory_lines(p: Plan) -> list[str]:
     lines = [
         f"memory per device ({m.measured_by})",
         f"  train state       {size(m.state_bytes):>11}   params + AdamW moments (from the tree and its sharding)",
-        f"  batch             {size(m.batch_bytes):>11}   float32 images + int32 tokens",
+        (f"  batch             {size(m.batch_bytes):>11}   float32 "
+         + (f"NaFlex rows ({s.max_num_patches} patches an image)" if s.max_num_patches else "images")
+         + " + int32 tokens"),
         f"  temporaries       {size(m.temp_bytes):>11}   activations, gradients, loss",
         (f"  total             {size(m.total_bytes):>11}   of {size(m.usable_bytes)} usable "
          f"({size(m.gpu_bytes)} x {m.memory_fraction:g}): {'fits' if m.fits else 'DOES NOT FIT'}"),
@@ -86,7 +88,7 @@ def format_plan(p: Plan) -> str:
         *(f"  note: {note}" for note in p.notes),
         (f"  {s.precision}, remat {s.remat_policy}, fsdp {'on' if s.fsdp else 'off'}, attention "
          f"{s.attention}; per-device batch {s.batch_size}, accum_freq {s.accum_freq}, global batch "
-         f"{s.global_batch:,}"),
+         f"{s.global_batch:,}" + (f"; NaFlex, {s.max_num_patches} patches an image" if s.max_num_patches else "")),
         "",
         (f"parameters          {params.total:,} (image {params.image:,}, text {params.text:,}, "
          f"logit_scale {params.logit_scale})"),

@@ -21,6 +21,7 @@ class Setup:
     batch_size: int  # per device
     accum_freq: int
     global_batch: int
+    max_num_patches: int | None = None  # a NaFlex image tower's patch budget per image
 
 
 @dataclasses.dataclass(frozen=True)

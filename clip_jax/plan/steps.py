@@ -8,15 +8,19 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from clip_jax.models.naflex import patch_budget
 from clip_jax.training.step_factory import StepSpec, build_step
 
 
-def planned_spec(config, compiler: str = "cpu", gpu=None) -> StepSpec:
+def planned_spec(config, compiler: str = "cpu", gpu=None, max_num_patches: int | None = None) -> StepSpec:
     """The step the trainer would build from `config` on the planned GPUs (`runtime.hardware.GPU`, None: recent
-    ones); where XLA:CPU compiles it, as `for_xla_cpu` makes it."""
+    ones), a NaFlex image tower's at the patch budget `max_num_patches` (which it needs, and any other refuses);
+    where XLA:CPU compiles it, as `for_xla_cpu` makes it."""
     target = gpu.target if gpu is not None else None
     spec = StepSpec.from_config(config, platform="gpu",
                                 compute_capability=target.compute_capability if target else None)
+    patch_budget(spec.model.vision, max_num_patches, spec.model.name)  # before anything compiles
+    spec = dataclasses.replace(spec, max_num_patches=max_num_patches)
     return spec if compiler == "gpu" else for_xla_cpu(spec)
 
 

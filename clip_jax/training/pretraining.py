@@ -93,7 +93,7 @@ class ClipPretraining:
             self.mesh = mesh_for(self.platform_spec)
         step = build_step(step_spec(self.config, self.schedule, self.mesh, precision=precision), self.mesh)
         # MFU counts model FLOPs (3x forward); recomputation under remat is overhead, not useful work.
-        self.flops_per_sample = train_flops(step.spec.model)
+        self.flops_per_sample = train_flops(step.spec.model, max_num_patches=step.spec.max_num_patches)
         return self.schedule, self.mesh, step
 
     def _data_streams(self) -> int | None:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from clip_jax.errors import InvalidInput
 from clip_jax.models import CLIPConfig, create_model, get_model_config, init_variables, is_resnet, param_shapes
 from clip_jax.models.config import as_trained
+from clip_jax.models.naflex import image_input_shape, patch_budget
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
 from clip_jax.models.attention import choose_attention_impl
 from clip_jax.models.precision import get_policy, model_grad_dtype, model_residual_dtype
@@ -88,6 +89,9 @@ class StepSpec:
     fused_kernels: str = "off"
     unroll_layers: bool = False  # the towers' blocks unrolled, not scanned (models.layers.Transformer)
     loss_scale: LossScaleSpec = LossScaleSpec()  # a policy with `loss_scaling` (fp16): its dynamic loss scale
+    # A NaFlex image tower's patch budget: its images are NaFlex rows [B, max_num_patches, P * P * 3 + 2]
+    # (clip_jax.models.naflex); None for any other tower, which refuses one.
+    max_num_patches: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, CLIPConfig):
@@ -106,6 +110,8 @@ class StepSpec:
             raise InvalidInput(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.telemetry_every < 0:
             raise InvalidInput(f"telemetry_every must be >= 0 (0: off), got {self.telemetry_every}")
+        if self.max_num_patches is not None:
+            patch_budget(self.model.vision, self.max_num_patches, self.model.name)
         if is_resnet(self.model):
             _check_resnet_step(self)
         if self.head is not None:
@@ -167,7 +173,8 @@ class StepSpec:
                 f"attention {self.attention_impl}" + (f", loss {self.loss}" if self.loss != "clip" else "")
                 + (f", patch dropout {patch_dropout:g}" if patch_dropout else "")
                 + (f", fused kernels {self.fused_kernels}" if self.fused_kernels != "off" else "")
-                + (", layers unrolled" if self.unroll_layers else ""))
+                + (", layers unrolled" if self.unroll_layers else "")
+                + (f", {self.max_num_patches} patches an image" if self.max_num_patches else ""))
 
 
 def _check_resnet_step(spec: StepSpec) -> None:
@@ -253,9 +260,9 @@ class Step:
     def abstract_batch(self, per_device_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as the data pipeline delivers it, split over the mesh."""
         config = self.spec.model
-        size, rows = config.vision.image_size, per_device_batch * data_parallel_size(self.mesh)
-        sharding = batch_sharding(self.mesh)
-        images = jax.ShapeDtypeStruct((rows, size, size, 3), jnp.float32, sharding=sharding)
+        rows, sharding = per_device_batch * data_parallel_size(self.mesh), batch_sharding(self.mesh)
+        image = image_input_shape(config.vision, self.spec.max_num_patches, config.name)  # NaFlex: its rows
+        images = jax.ShapeDtypeStruct((rows, *image), jnp.float32, sharding=sharding)
         if self.spec.head is not None:
             return {"images": images, "labels": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)}
         return {"images": images,

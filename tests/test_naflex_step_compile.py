@@ -1,0 +1,82 @@
+"""The NaFlex image tower's train step as the planner compiles it: from abstract NaFlex rows its memory is that of the
+step lowered from real rows of images at several aspect ratios, XLA's FLOPs agree with the analytic count at the
+budget, and SigLIP 2's NaFlex SO400M/16 at 576 patches plans as its fixed-resolution tower at 24 x 24 does."""
+
+import jax
+import numpy as np
+import pytest
+from tiny_model import naflex_model
+
+from clip_jax import plan as planner
+from clip_jax.models.naflex import pack_rows, row_width
+from clip_jax.run_config import default_config
+from clip_jax.runtime.mesh import create_mesh, make_global_batch
+from clip_jax.training.step_factory import StepSpec, build_step
+
+BUDGET = 24
+
+
+def naflex_rows(count: int, rng) -> np.ndarray:
+    """NaFlex rows [count, BUDGET, 8 * 8 * 3 + 2] of images at grids from 1 x 24 to 6 x 4 (some padded)."""
+    grids = [(1, 24), (4, 6), (6, 4), (3, 5), (2, 2), (4, 4)]
+    return np.stack([pack_rows(rng.normal(size=(r * c, 8 * 8 * 3)), (r, c), BUDGET)
+                     for r, c in (grids[i % len(grids)] for i in range(count))])
+
+
+@pytest.mark.slow
+def test_planned_naflex_memory_is_xla_memory_of_the_step_on_real_rows():
+    setup = StepSpec.for_model(naflex_model(), "fp32", "nothing_saveable", fsdp=True, max_num_patches=BUDGET)
+    mesh = create_mesh(jax.devices()[:8])
+    per_device = 3
+    planned = planner.StepMemory.of(planner.compile_train_step(setup, mesh, per_device))
+
+    step = build_step(setup, mesh)
+    state = step.init(1)
+    rng = np.random.default_rng(0)
+    batch = make_global_batch({"images": naflex_rows(8 * per_device, rng),
+                               "tokens": rng.integers(1, 999, size=(8 * per_device, 16)).astype(np.int32)}, mesh)
+    real = planner.StepMemory.of(step.update.lower(state, batch).compile())
+    assert batch["images"].shape == (24, BUDGET, row_width(8))
+    assert planned.total == pytest.approx(real.total, rel=1e-3)
+    assert planned.argument == real.argument
+    held = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
+    assert real.argument == held + planner.batch_bytes_per_device(setup.model, per_device, BUDGET)
+    # The step runs on them: one update, a finite loss.
+    _, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.slow
+def test_xla_flops_of_the_naflex_step_agree_with_the_analytic_count_at_the_budget():
+    setup = StepSpec.for_model(naflex_model(), "fp32", max_num_patches=BUDGET)
+    flops = planner.flops_per_sample(setup, create_mesh(jax.devices()[:1]), 4)
+    # At this width norms, softmax, GELU, the position grid's resize, the loss and AdamW (which only XLA counts)
+    # are a good part of it, as for test_plan.py's tiny model; the budget's tokens are counted by both.
+    assert 1.0 <= flops.forward_xla / flops.forward_analytic < 1.5
+    assert 1.0 <= flops.train_xla / flops.train_analytic < 1.5
+
+
+def siglip2_run(model: str):
+    c = default_config()
+    c.update(model=model, loss="siglip", precision="bf16", grad_checkpointing=True, batch_size=64,
+             train_num_samples=1_000_000, workers=4)
+    return c
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_siglip2_naflex_at_576_patches_plans_as_the_fixed_resolution_tower_at_24_by_24_on_an_h200():
+    """The same products (24 x 24 patches at 384, the budget 576): NaFlex's rows, padding mask and position-grid
+    resize add little memory and time."""
+    plans = {}
+    for model, budget in (("ViT-SO400M-16-SigLIP2-NaFlex", 576), ("ViT-SO400M-16-SigLIP2-384", None)):
+        plans[model] = planner.plan(siglip2_run(model), "h200", 1, compiler="gpu", max_num_patches=budget,
+                                    search_batch=False, xla_flops=False)
+    naflex, fixed = plans["ViT-SO400M-16-SigLIP2-NaFlex"], plans["ViT-SO400M-16-SigLIP2-384"]
+    assert naflex.setup.max_num_patches == 576 and naflex.memory_per_device.fits
+    assert naflex.flops_per_sample.train_analytic == fixed.flops_per_sample.train_analytic
+    # 576 rows of 770 float32 a sample against 384 x 384 x 3
+    assert naflex.memory_per_device.batch_bytes == 64 * (576 * 770 * 4 + 64 * 4)
+    assert naflex.memory_per_device.total_bytes == pytest.approx(fixed.memory_per_device.total_bytes, rel=0.15)
+    assert naflex.throughput.predicted_samples_per_s == pytest.approx(fixed.throughput.predicted_samples_per_s,
+                                                                      rel=0.15)
