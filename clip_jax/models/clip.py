@@ -147,7 +147,8 @@ class CLIP(nn.Module):
     def encode_image_states(self, images, final_norm: bool = False, after_block: int | None = None):
         """(states, embedding) of images [B, H, W, 3], as `encode_text_states` for the image tower: states[0] after
         ln_pre, each with ln_post under `final_norm`, [layers + 1, B, T, W] (T: the class token, then the patches
-        in row-major order), or `after_block`'s alone; the embedding [B, E], not normalised. ViT towers only."""
+        in row-major order; a NaFlex tower's: its N rows, padding included), or `after_block`'s alone; the embedding
+        [B, E], not normalised. ViT towers only."""
         if is_resnet(self.config):
             raise ValueError("a ResNet image tower has no per-token states: encode_image_states takes a ViT tower")
         features, states, normed = self.visual(images, emit_states=True)
