@@ -1,8 +1,9 @@
-"""A transformers model folder saved in either of transformers' layouts, and `embed`'s embeddings of it: what the
-tests of CLIPModel and SiglipModel folders share."""
+"""A transformers model folder saved in either of transformers' layouts, and `embed`'s embeddings of it; SigLIP
+models, theirs and ours, moved from their init: what the tests of CLIPModel, SiglipModel and Siglip2Model share."""
 
 import json
 
+import jax
 import numpy as np
 
 from clip_jax.evaluation import embed
@@ -39,3 +40,24 @@ def cosines(got, expected):
     got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
     return np.sum(got * expected, axis=-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(expected, axis=-1)
 
+
+
+def moved_from_init(model):
+    """A transformers SigLIP model (torch) with its norms, biases, probe and positions moved from their init, in
+    place (torch's generator seeded by the caller)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim < 2 or name.endswith(("bias", "probe", "position_embedding.weight")):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def off_init(tree, seed):
+    """Every leaf but the kernels and token embeddings moved from its init (norms, biases, probe, positions,
+    logit scale and bias)."""
+    rng = np.random.default_rng(seed)
+    moved = lambda path, x: x if path[-1].key in ("kernel", "embedding") else (  # noqa: E731
+        x + 0.2 * rng.standard_normal(np.shape(x)).astype(np.asarray(x).dtype))
+    return jax.tree_util.tree_map_with_path(moved, jax.device_get(tree))

@@ -17,6 +17,8 @@ import torch
 import transformers
 from PIL import Image
 
+from hf_layouts import moved_from_init, off_init
+
 from clip_jax.data.transforms import eval_crop, normalize
 from clip_jax.errors import InvalidInput
 from clip_jax.interop import convert, hf_folder, hf_siglip
@@ -80,21 +82,12 @@ class ToyTokenizer:
         return list(self.hf.save_pretrained(str(folder)))
 
 
-def _off_init(tree, seed):
-    """Every leaf but the kernels and token embeddings moved from its init (norms, biases, probe, positions,
-    logit scale and bias)."""
-    rng = np.random.default_rng(seed)
-    moved = lambda path, x: x if path[-1].key in ("kernel", "embedding") else (  # noqa: E731
-        x + 0.2 * rng.standard_normal(np.shape(x)).astype(np.asarray(x).dtype))
-    return jax.tree_util.tree_map_with_path(moved, jax.device_get(tree))
-
-
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
     """A clip_jax SigLIP model written as a SiglipModel folder: (folder, config, model, params)."""
     config = get_model_config(SIGLIP)
     model = create_model(config)
-    params = _off_init(init_params(model, jax.random.key(0)), seed=1)
+    params = off_init(init_params(model, jax.random.key(0)), seed=1)
     folder = tmp_path_factory.mktemp("siglip") / "export"
     folder.mkdir()
     tokenizer = ToyTokenizer(tmp_path_factory.mktemp("tokenizer"))
@@ -123,11 +116,7 @@ def theirs(tmp_path_factory):
         vision_config={"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 3,
                        "image_size": 32, "patch_size": 8, "hidden_act": "gelu", "layer_norm_eps": 1e-5})
     torch.manual_seed(0)
-    model = transformers.SiglipModel(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim < 2 or name.endswith(("bias", "probe", "position_embedding.weight")):
-                p.add_(0.2 * torch.randn_like(p))
+    model = moved_from_init(transformers.SiglipModel(config).eval())
     model.save_pretrained(str(folder))
     transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}, image_mean=list(MEAN),
                                          image_std=list(STD)).save_pretrained(str(folder))

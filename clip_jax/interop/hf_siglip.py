@@ -9,8 +9,9 @@ blocks' q, k, v are split out of OpenCLIP's `qkv` / `in_proj`; the pooling head'
 axis). `hf_unsupported(config)` says why a model has no SiglipModel counterpart (None when it has one): SiglipModel
 is a ViT image tower with a biased patch convolution, no class token and no LayerNorm before its pre-LN blocks,
 pooled by multi-head attention from a learned probe (no projection), and a bidirectional text tower pooling its last
-token through a biased Linear, with a logit scale and a logit bias. transformers' SigLIP 2 with NaFlex (model_type
-`siglip2`, variable resolution) is refused; a fixed-resolution SigLIP 2 is a SiglipModel.
+token through a biased Linear, with a logit scale and a logit bias. A fixed-resolution SigLIP 2 is a SiglipModel;
+transformers' SigLIP 2 with NaFlex (model_type `siglip2`, variable resolution) is `hf_siglip2`'s, which shares the
+pieces here (`tower_configs`, `towers`, `clip_config`, `unsupported`, `hf_state_dict`, `open_clip_state_dict`).
 """
 
 import math
@@ -31,7 +32,7 @@ _DEFAULT_LOGIT_SCALE = math.log(1 / 0.07)  # OpenCLIP's SigLIP model configs set
 _TEXT_DEFAULTS = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                   "num_attention_heads": 12, "max_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh",
                   "layer_norm_eps": 1e-6, "projection_size": None}
-_VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
                     "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
                     "layer_norm_eps": 1e-6, "vision_use_head": True}
 _KINDS = {"hidden_act": str, "layer_norm_eps": float, "vision_use_head": bool, "projection_size": (int, type(None)),
@@ -49,28 +50,37 @@ def siglip2_refusal(where: str) -> str:
 
 def hf_unsupported(config: CLIPConfig) -> str | None:
     """Why transformers' SiglipModel cannot hold `config` (one clause), or None when it can."""
+    reason = unsupported(config, "SiglipModel")
+    if reason is None and config.vision.naflex:
+        return "its image tower is NaFlex (SigLIP 2's variable resolution: a Siglip2Model holds it)"
+    return reason
+
+
+def unsupported(config: CLIPConfig, model: str) -> str | None:
+    """Why `model` (SiglipModel or Siglip2Model: the same towers but the image tower's input) cannot hold `config`
+    (one clause), or None when it can, whatever the image tower's input."""
     if is_resnet(config):
-        return "its image tower is a ResNet (SiglipModel's is a ViT)"
+        return f"its image tower is a ResNet ({model}'s is a ViT)"
     v, t = config.vision, config.text
     reasons = [
-        f"its image tower pools {v.pool_type!r} (SiglipModel's: attention from a learned probe, 'map')"
+        f"its image tower pools {v.pool_type!r} ({model}'s: attention from a learned probe, 'map')"
         if not v.attention_pool else None,
         block_unsupported(v.block, "image"), block_unsupported(t.block, "text"),
-        "it has a LayerNorm before the image blocks (ln_pre; SiglipModel has none)" if not v.no_ln_pre else None,
-        "it has no logit_bias (SiglipModel's head has one)" if config.init_logit_bias is None else None,
+        f"it has a LayerNorm before the image blocks (ln_pre; {model} has none)" if not v.no_ln_pre else None,
+        f"it has no logit_bias ({model}'s head has one)" if config.init_logit_bias is None else None,
         "its text tower has a class embedding (embed_cls)" if t.embed_cls else None,
-        "its text tower is causal (SiglipModel's attends both ways: no_causal_mask)" if not t.no_causal_mask else None,
-        f"its text tower pools {t.pool_type!r} (SiglipModel: the last token)" if t.pool_type != "last" else None,
+        f"its text tower is causal ({model}'s attends both ways: no_causal_mask)" if not t.no_causal_mask else None,
+        f"its text tower pools {t.pool_type!r} ({model}: the last token)" if t.pool_type != "last" else None,
         f"its text projection is not a Linear with a bias (proj_type {t.proj_type!r}, proj_bias {t.proj_bias})"
         if t.proj_type != "linear" or not t.proj_bias else None,
     ]
     return next((r for r in reasons if r is not None), None)
 
 
-def _refuse_unsupported(config: CLIPConfig) -> None:
-    reason = hf_unsupported(config)
+def refuse(config: CLIPConfig, reason: str | None, model: str) -> None:
+    """Raise the one line saying `config` has no `model` counterpart, when there is a `reason`."""
     if reason is not None:
-        raise InvalidInput(f"{config.name} has no transformers SiglipModel counterpart: {reason}")
+        raise InvalidInput(f"{config.name} has no transformers {model} counterpart: {reason}")
 
 
 def _activation(config: CLIPConfig, approximate: str) -> str:
@@ -80,7 +90,14 @@ def _activation(config: CLIPConfig, approximate: str) -> str:
 def hf_config(config: CLIPConfig) -> dict:
     """The `config.json` transformers' `SiglipModel.from_pretrained` reads for `config` (see `hf_unsupported`). The
     token ids are left to the tokenizer's files (SiglipModel pools the last position, whatever token it holds)."""
-    _refuse_unsupported(config)
+    refuse(config, hf_unsupported(config), "SiglipModel")
+    text, vision = tower_configs(config)
+    return {"architectures": ["SiglipModel"], "model_type": MODEL_TYPE, "initializer_factor": 1.0, "dtype": "float32",
+            "text_config": text, "vision_config": vision}
+
+
+def tower_configs(config: CLIPConfig) -> tuple[dict, dict]:
+    """(text_config, vision_config) of SiglipModel's `config.json` for `config`."""
     v, t = config.vision, config.text
     text = {"model_type": "siglip_text_model", "vocab_size": t.vocab_size, "hidden_size": t.width,
             "intermediate_size": t.mlp_width, "num_hidden_layers": t.layers, "num_attention_heads": t.heads,
@@ -92,8 +109,7 @@ def hf_config(config: CLIPConfig) -> dict:
               "image_size": v.image_size, "patch_size": v.patch_size,
               "hidden_act": _activation(config, v.block.gelu_approximate), "layer_norm_eps": v.block.norm_eps,
               "vision_use_head": True}
-    return {"architectures": ["SiglipModel"], "model_type": MODEL_TYPE, "initializer_factor": 1.0, "dtype": "float32",
-            "text_config": text, "vision_config": vision}
+    return text, vision
 
 
 def _is_kind(value, kind) -> bool:
@@ -118,7 +134,7 @@ def _sub_config(cfg: Mapping[str, Any], key: str, defaults: dict, where: str) ->
     return merged
 
 
-def _square(value, key: str, where: str) -> int:
+def square(value, key: str, where: str) -> int:
     """An image or patch size: an int, or a [height, width] pair of equal ints."""
     if isinstance(value, int):
         return value
@@ -135,10 +151,11 @@ def _check_model_type(cfg: Mapping[str, Any], where: str) -> None:
                            f"folders (model_type {MODEL_TYPE!r})")
 
 
-def _towers(cfg: Mapping[str, Any], where: str) -> tuple[dict, dict]:
-    """(text, vision) sub-configs, checked for what SiglipModel's image embedding and logits need."""
+def towers(cfg: Mapping[str, Any], where: str, vision_defaults: dict = VISION_DEFAULTS) -> tuple[dict, dict]:
+    """(text, vision) sub-configs, their defaults filled in (the vision tower's: `vision_defaults`), checked for
+    what SiglipModel's image embedding and logits need."""
     t = _sub_config(cfg, "text_config", _TEXT_DEFAULTS, where)
-    v = _sub_config(cfg, "vision_config", _VISION_DEFAULTS, where)
+    v = _sub_config(cfg, "vision_config", vision_defaults, where)
     if not v["vision_use_head"]:
         raise InvalidInput(f"{where}: vision_config.vision_use_head=false: its image tower has no attention-pooling "
                            "head (a vision backbone, as PaliGemma's), so no image embedding; clip_jax reads a "
@@ -157,7 +174,13 @@ def config_from_hf(cfg: Mapping[str, Any], name: str = "custom", where: str = "c
     """The clip_jax model of a transformers SiglipConfig dict (a SiglipModel folder's `config.json`), its head
     initialised as OpenCLIP's SigLIP model configs say (logit_bias -10)."""
     _check_model_type(cfg, where)
-    t, v = _towers(cfg, where)
+    t, v = towers(cfg, where)
+    return clip_config(t, v, square(v["image_size"], "image_size", where), False, name, where)
+
+
+def clip_config(t: dict, v: dict, image_size: int, naflex: bool, name: str, where: str) -> CLIPConfig:
+    """The clip_jax model of checked sub-configs `t`, `v` (see `towers`), its image tower of `image_size` (a
+    NaFlex tower when `naflex`)."""
     v_block, v_quick = block_from_act(v["hidden_act"], v["layer_norm_eps"], f"{where}: vision_config")
     t_block, t_quick = block_from_act(t["hidden_act"], t["layer_norm_eps"], f"{where}: text_config")
     if v_quick != t_quick:
@@ -166,10 +189,10 @@ def config_from_hf(cfg: Mapping[str, Any], name: str = "custom", where: str = "c
     try:
         return CLIPConfig(
             embed_dim=v["hidden_size"],
-            vision=VisionConfig(image_size=_square(v["image_size"], "image_size", where),
-                                patch_size=_square(v["patch_size"], "patch_size", where), width=v["hidden_size"],
-                                layers=v["num_hidden_layers"], heads=v["num_attention_heads"],
-                                mlp_width=v["intermediate_size"], block=v_block, no_ln_pre=True, pool_type="map"),
+            vision=VisionConfig(image_size=image_size, patch_size=square(v["patch_size"], "patch_size", where),
+                                width=v["hidden_size"], layers=v["num_hidden_layers"],
+                                heads=v["num_attention_heads"], mlp_width=v["intermediate_size"], block=v_block,
+                                no_ln_pre=True, pool_type="map", naflex=naflex),
             text=TextConfig(context_length=t["max_position_embeddings"], vocab_size=t["vocab_size"],
                             width=t["hidden_size"], heads=t["num_attention_heads"], layers=t["num_hidden_layers"],
                             mlp_width=t["intermediate_size"], block=t_block, no_causal_mask=True, pool_type="last",
@@ -210,12 +233,14 @@ def _text_blocks(config: CLIPConfig, t: str) -> list[tuple[str, str, tuple]]:
     return _blocks(config.text.layers, f"{t}transformer.resblocks.", _OPEN_CLIP_BLOCK, "text_model.encoder.layers.")
 
 
-def _renamed(config: CLIPConfig) -> list[tuple[str, str, tuple]]:
-    """(OpenCLIP key, SiglipModel key, layouts) of every tensor that is one tensor in both."""
+def _renamed(config: CLIPConfig, patch_layout: tuple = _SAME) -> list[tuple[str, str, tuple]]:
+    """(OpenCLIP key, SiglipModel key, layouts) of every tensor that is one tensor in both; the patch embedding's
+    weight in `patch_layout` (SiglipModel's convolution: OpenCLIP's)."""
     t = "text." if config.custom_text else ""
     v, pool, head = "vision_model.", "visual.trunk.attn_pool.", "vision_model.head."
     return [
-        *_weight_and_bias("visual.trunk.patch_embed.proj", f"{v}embeddings.patch_embedding"),
+        ("visual.trunk.patch_embed.proj.weight", f"{v}embeddings.patch_embedding.weight", patch_layout),
+        ("visual.trunk.patch_embed.proj.bias", f"{v}embeddings.patch_embedding.bias", _SAME),
         ("visual.trunk.pos_embed", f"{v}embeddings.position_embedding.weight", _LEADING),
         *_vision_blocks(config),
         *_weight_and_bias("visual.trunk.norm", f"{v}post_layernorm"),
@@ -269,25 +294,35 @@ def _regroup(tensors: list, sizes: tuple[int, ...], where: str, key: str) -> lis
 
 def to_hf_state_dict(state_dict: Mapping[str, np.ndarray], config: CLIPConfig) -> dict[str, np.ndarray]:
     """SiglipModel's state_dict from an OpenCLIP one of `config` (numpy values)."""
-    _refuse_unsupported(config)
-    out = {theirs: layout[0](np.asarray(state_dict[ours])) for ours, theirs, layout in _renamed(config)}
+    refuse(config, hf_unsupported(config), "SiglipModel")
+    return hf_state_dict(state_dict, config)
+
+
+def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: CLIPConfig,
+                  patch_layout: tuple = _SAME) -> dict[str, np.ndarray]:
+    """The transformers state_dict (SiglipModel's names) of an OpenCLIP one of `config`, the patch embedding's
+    weight in `patch_layout` ((OpenCLIP -> transformers, back))."""
+    out = {theirs: layout[0](np.asarray(state_dict[ours])) for ours, theirs, layout in _renamed(config, patch_layout)}
     for ours, our_sizes, theirs, their_sizes in _stacked(config):
         out.update(zip(theirs, _regroup([state_dict[k] for k in ours], their_sizes, "the state_dict", ours[0])))
     return out
 
 
-def _check_keys(state_dict: Mapping[str, Any], config: CLIPConfig, where: str) -> None:
-    expected = {theirs for _, theirs, _ in _renamed(config)} | {k for g in _stacked(config) for k in g[2]}
-    check_keys(state_dict, expected, f"{where} does not hold the SiglipModel its config.json describes "
-                                     f"({config.name})")
-
-
 def from_hf_state_dict(state_dict: Mapping[str, Any], config: CLIPConfig, where: str) -> dict[str, np.ndarray]:
     """The OpenCLIP state_dict of `config` from a SiglipModel one (numpy values); a key missing or left over is
     named (the shapes are checked when the OpenCLIP state_dict is converted)."""
+    return open_clip_state_dict(state_dict, config, where, "SiglipModel")
+
+
+def open_clip_state_dict(state_dict: Mapping[str, Any], config: CLIPConfig, where: str, model: str,
+                         patch_layout: tuple = _SAME) -> dict[str, np.ndarray]:
+    """`hf_state_dict`'s inverse: the OpenCLIP state_dict of `config` from a transformers `model`'s (numpy values),
+    a key missing or left over named."""
     state_dict = {k: v for k, v in state_dict.items() if k not in _BUFFERS}
-    _check_keys(state_dict, config, where)
-    out = {ours: layout[1](np.asarray(state_dict[theirs])) for ours, theirs, layout in _renamed(config)}
+    renamed = _renamed(config, patch_layout)
+    expected = {theirs for _, theirs, _ in renamed} | {k for g in _stacked(config) for k in g[2]}
+    check_keys(state_dict, expected, f"{where} does not hold the {model} its config.json describes ({config.name})")
+    out = {ours: layout[1](np.asarray(state_dict[theirs])) for ours, theirs, layout in renamed}
     for ours, our_sizes, theirs, their_sizes in _stacked(config):
         out.update(zip(ours, _regroup([state_dict[k] for k in theirs], our_sizes, where, theirs[0])))
     return out

@@ -15,7 +15,8 @@ class AttentionPool(nn.Module):
     """[B, T, W] -> [B, W]: a = out_proj(attention(q(probe), k(x), v(x))) with the tower's heads, then
     a + mlp(norm(a)). Parameters: `probe` [1, W], `q` and `kv` (keys then values, [W, 2W]) and `out_proj` with
     biases, `norm`, `mlp` (`c_fc`, `c_proj`). One query per sample: its cost is that of a block's MLP on one token
-    plus the keys and values of every token."""
+    plus the keys and values of every token. `mask` ([B, T] bool or None): the tokens the probe may attend to (the
+    NaFlex tower's own patches, not its padding)."""
 
     width: int
     heads: int
@@ -27,7 +28,7 @@ class AttentionPool(nn.Module):
     grad_dtype: Dtype | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, mask=None):
         batch, length, width = x.shape
         head_dim = width // self.heads
         dense = lambda features, name: Dense(features, nn.initializers.normal(width**-0.5), self.dtype,  # noqa: E731
@@ -37,7 +38,8 @@ class AttentionPool(nn.Module):
         q = dense(width, "q")(mixed_precision.broadcast(probe, (batch, 1, width), self.dtype, self.grad_dtype))
         k, v = jnp.split(dense(2 * width, "kv")(x), 2, axis=-1)  # [B, T, W] each
         heads = lambda t: t.reshape(batch, t.shape[1], self.heads, head_dim)  # noqa: E731
-        pooled = xla_attention(heads(q), heads(k), heads(v)).reshape(batch, 1, width)
+        key_mask = None if mask is None else mask[:, None, None, :]  # [B, 1, 1, T]
+        pooled = xla_attention(heads(q), heads(k), heads(v), mask=key_mask).reshape(batch, 1, width)
         pooled = dense(width, "out_proj")(pooled)[:, 0]  # [B, W]
         mlp = MLP(width, self.mlp_width, self.mlp_width**-0.5, self.quick_gelu, self.dtype, self.param_dtype,
                   self.block, self.grad_dtype, name="mlp")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from clip_jax.errors import InvalidInput
 from clip_jax.models.config import CLIPConfig, is_resnet
-from clip_jax.models import mixed_precision
+from clip_jax.models import mixed_precision, naflex
 from clip_jax.models.fused_layer_norm import FUSED_KERNELS
 from clip_jax.models.attention import ATTENTION_IMPLS
 from clip_jax.models.layers import Dense, Dtype, Transformer, tower_norm
@@ -121,8 +121,10 @@ class CLIP(nn.Module):
                                          self.param_dtype)
 
     def encode_image(self, images, normalize: bool = True, kept_patches=None, train: bool = False):
-        """[B, H, W, 3] -> [B, E]. `train`: a ResNet tower's BatchNorm runs on batch statistics (and updates the
-        running ones when `batch_stats` is mutable); a ViT has no train-only path here."""
+        """[B, H, W, 3] -> [B, E]; a NaFlex tower (`VisionConfig.naflex`) takes NaFlex rows [B, N, P * P * 3 + 2]
+        (`clip_jax.models.naflex`) instead, any budget N. `train`: a ResNet tower's BatchNorm runs on batch
+        statistics (and updates the running ones when `batch_stats` is mutable); a ViT has no train-only path
+        here."""
         features = self.visual(images, kept_patches, train) if is_resnet(self.config) else \
             self.visual(images, kept_patches)
         return l2_normalize(features) if normalize else features.astype(jnp.float32)
@@ -145,7 +147,8 @@ class CLIP(nn.Module):
     def encode_image_states(self, images, final_norm: bool = False, after_block: int | None = None):
         """(states, embedding) of images [B, H, W, 3], as `encode_text_states` for the image tower: states[0] after
         ln_pre, each with ln_post under `final_norm`, [layers + 1, B, T, W] (T: the class token, then the patches
-        in row-major order), or `after_block`'s alone; the embedding [B, E], not normalised. ViT towers only."""
+        in row-major order; a NaFlex tower's: its N rows, padding included), or `after_block`'s alone; the embedding
+        [B, E], not normalised. ViT towers only."""
         if is_resnet(self.config):
             raise ValueError("a ResNet image tower has no per-token states: encode_image_states takes a ViT tower")
         features, states, normed = self.visual(images, emit_states=True)
@@ -237,10 +240,13 @@ def create_model(name_or_config: "str | Mapping[str, Any] | CLIPConfig", *, dtyp
 
 
 def dummy_inputs(config: CLIPConfig, batch_size: int = 1):
-    """Zero images and tokens of the shapes the model expects."""
+    """Zero images and tokens of the shapes the model expects (a NaFlex tower's: zero images of its square grid,
+    as NaFlex rows under a budget of that grid)."""
     v, t = config.vision, config.text
-    return (jnp.zeros((batch_size, v.image_size, v.image_size, 3), jnp.float32),
-            jnp.zeros((batch_size, t.context_length), jnp.int32))
+    tokens = jnp.zeros((batch_size, t.context_length), jnp.int32)
+    if not is_resnet(config) and v.naflex:
+        return jnp.asarray(naflex.blank_rows(batch_size, v.patch_size, (v.grid_size,) * 2, v.grid_size**2)), tokens
+    return jnp.zeros((batch_size, v.image_size, v.image_size, 3), jnp.float32), tokens
 
 
 def init_params(model: CLIP, rng: jax.Array) -> dict:

@@ -120,6 +120,9 @@ class VisionConfig:
         if self.naflex and self.pool_type != "map":
             raise InvalidInput(f"vision naflex with pool_type={self.pool_type!r}: a NaFlex tower is SigLIP 2's, "
                                "pooled by attention from a learned probe (pool_type 'map')")
+        if self.naflex and self.patch_dropout:
+            raise InvalidInput(f"vision naflex with patch_dropout={self.patch_dropout}: a NaFlex tower takes no patch "
+                               "dropout yet (leave patch_dropout out, or 0)")
 
     @property
     def attention_pool(self) -> bool:

@@ -65,6 +65,13 @@ def pack_rows(patches, grid: tuple[int, int], max_num_patches: int) -> np.ndarra
     return out
 
 
+def blank_rows(batch_size: int, patch_size: int, grid: tuple[int, int], max_num_patches: int) -> np.ndarray:
+    """NaFlex rows [batch_size, max_num_patches, P * P * 3 + 2] of zero images, each a `grid` of patches."""
+    rows, columns = grid
+    one = pack_rows(np.zeros((rows * columns, row_width(patch_size) - GRID_COLUMNS)), grid, max_num_patches)
+    return np.broadcast_to(one, (batch_size, *one.shape)).copy()
+
+
 def split_rows(rows):
     """NaFlex rows [B, N, D + 2] -> (patches [B, N, D], grids [B, 2] int32 (rows, columns), mask [B, N] bool, True
     on an image's own patches). Works on numpy and JAX arrays alike."""
