@@ -1,7 +1,7 @@
 """Hugging Face transformers' SiglipModel both ways: a clip_jax SigLIP model written as a SiglipModel folder loads in
 transformers with clip_jax's embeddings and logits, a folder transformers wrote is read with transformers' own, the
 conversions are exact both ways, SigLIP's "squash" eval transform gives SiglipImageProcessor's pixels, and what
-clip_jax does not build (SigLIP 2's NaFlex, a tower without its head, ...) is refused in one line."""
+clip_jax does not build (a tower without its head, ...) is refused in one line."""
 
 import dataclasses
 import io
@@ -278,8 +278,9 @@ def _refusal(folder, config_json: dict, name: str = "config.json") -> str:
 
 def test_what_clip_jax_does_not_build_is_refused_in_one_line(tmp_path, ours):
     siglip = json.loads((ours[0] / "config.json").read_text())
-    assert "model_type 'siglip2' is SigLIP 2's NaFlex model" in _refusal(tmp_path / "a", {
-        **siglip, "model_type": "siglip2", "architectures": ["Siglip2Model"]})
+    siglip2 = {**siglip, "model_type": "siglip2", "architectures": ["Siglip2Model"],
+               "vision_config": {**siglip["vision_config"], "num_patches": 20}}
+    assert "num_patches=20" in _refusal(tmp_path / "a", siglip2)  # a Siglip2Model's position grid is a square
     no_head = {**siglip, "vision_config": {**siglip["vision_config"], "vision_use_head": False}}
     assert "vision_config.vision_use_head=false" in _refusal(tmp_path / "b", no_head)
     narrow = {**siglip, "text_config": {**siglip["text_config"], "projection_size": 32}}

@@ -31,7 +31,7 @@ from clip_jax.interop import hf_folder
 from clip_jax.interop.open_clip_folder import (EXPORT_CONFIG, EXPORT_WEIGHTS, INTERPOLATION, RESIZE_MODE,
                                                export_config)
 from clip_jax.interop.opener import CheckpointFolder, RunDirectory, model_source, open_model, run_directory
-from clip_jax.models.config import CLIPConfig
+from clip_jax.models.config import CLIPConfig, is_resnet
 from clip_jax.models.open_clip_json import open_clip_model_cfg
 from clip_jax.runtime import entry, ownership, storage
 from clip_jax.runtime.run_layout import CHECKPOINTS
@@ -74,6 +74,10 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
 
     state_dict = variables_to_open_clip(as_variables(params), model)
     tokenizer = _model_tokenizer(model)
+    if not is_resnet(model) and model.vision.naflex:
+        _export_naflex(state_dict, model, tokenizer, out_dir, mean=mean, std=std, transformers=transformers,
+                       resize_mode=resize_mode)
+        return None
     skipped = "--no-transformers" if not transformers else hf_folder.hf_unsupported(model)
     tokenizer_files = {} if tokenizer is None else hf_folder.saved_tokenizer(tokenizer)  # name -> bytes, saved once
     names = [EXPORT_WEIGHTS, EXPORT_CONFIG, *tokenizer_files] + ([] if skipped else
@@ -95,6 +99,24 @@ def export_open_clip(params, model: CLIPConfig, out_dir: str, *, mean, std, tran
         hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std, tokenizer_files=tokenizer_files,
                                  resize_mode=resize_mode)
     return skipped
+
+
+NAFLEX_NOTE = ("OpenCLIP 3.3's format has no NaFlex model, so the export is the transformers Siglip2Model folder "
+               "alone (no open_clip_config.json)")
+
+
+def _export_naflex(state_dict, model: CLIPConfig, tokenizer, out_dir: str, *, mean, std, transformers: bool,
+                   resize_mode) -> None:
+    """A NaFlex model's export: transformers' Siglip2Model folder, its image processor at the model's patch budget."""
+    if not transformers:
+        raise InvalidInput(f"--no-transformers: {model.name} is a NaFlex model; {NAFLEX_NOTE}: leave "
+                           "--no-transformers out")
+    tokenizer_files = {} if tokenizer is None else hf_folder.saved_tokenizer(tokenizer)
+    names = hf_folder.hf_files(model, tokenizer_files)  # refuses a model without its tokenizer
+    ownership.claim(out_dir, dict.fromkeys(names), writing="the export",
+                    change="give another OUT_DIR (an export replaces only an earlier export of clip_jax's)")
+    hf_folder.write_hf_files(out_dir, state_dict, model, mean=mean, std=std, tokenizer_files=tokenizer_files,
+                             resize_mode=resize_mode)
 
 
 def _remove_earlier_hf_files(out_dir: str, keep=()) -> None:
@@ -146,7 +168,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config, skipped = export(args.source, args.out_dir, model=args.model, step=args.step, mean=args.mean,
                              std=args.std, transformers=args.transformers)
-    kind = "SiglipModel" if hf_folder.hf_model_type(config) == "siglip" else "CLIPModel"
+    kind = {"siglip": "SiglipModel", "siglip2": "Siglip2Model"}.get(hf_folder.hf_model_type(config), "CLIPModel")
+    if kind == "Siglip2Model":
+        print(f"exported {args.source} ({config.name}, NaFlex) to {args.out_dir}: load it with "
+              f"transformers.Siglip2Model.from_pretrained('{args.out_dir}')")
+        print(f"note: {NAFLEX_NOTE}")
+        return 0
     also = "" if skipped else f", or transformers.{kind}.from_pretrained('{args.out_dir}')"
     print(f"exported {args.source} ({config.name}, {config.vision.image_size} px) to {args.out_dir}: load it with "
           f"open_clip.create_model_and_transforms('local-dir:{args.out_dir}'){also}")

@@ -24,10 +24,10 @@ import os
 import tempfile
 
 from clip_jax.errors import InvalidInput, MissingInput
-from clip_jax.interop import hf_clip, hf_siglip
+from clip_jax.interop import hf_clip, hf_siglip, hf_siglip2
 from clip_jax.interop.hf_processor import (  # noqa: F401 - the folder's image processor, read through this module
     PREPROCESSOR, _read_json, assumed_preprocessing, hf_preprocessing, missing_processor_note,
-    preprocessor_config, siglip_preprocessor_config)
+    naflex_preprocessor_config, preprocessor_config, siglip_preprocessor_config)
 from clip_jax.models.config import CLIPConfig, is_resnet
 
 CONFIG = "config.json"
@@ -38,7 +38,8 @@ HF_FILES = (CONFIG, WEIGHTS[0], PREPROCESSOR, *TOKENIZER_FILES)  # what the expo
 # tokenizer.model or tokenizer.json, their configs): an earlier export's, to remove when a later one writes none.
 SIGLIP_TOKENIZER_FILES = ("spiece.model", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                           "special_tokens_map.json")
-_MODULES = {hf_clip.MODEL_TYPE: hf_clip, hf_siglip.MODEL_TYPE: hf_siglip}  # config.json's model_type -> its code
+# config.json's model_type -> its code
+_MODULES = {hf_clip.MODEL_TYPE: hf_clip, hf_siglip.MODEL_TYPE: hf_siglip, hf_siglip2.MODEL_TYPE: hf_siglip2}
 # OpenAI's names of the two special tokens, as CLIPTokenizer knows them; clip_jax's own are <start_of_text> etc.
 _SOT, _EOT = "<|startoftext|>", "<|endoftext|>"
 
@@ -55,9 +56,11 @@ def is_hf_folder(path: str) -> bool:
 
 
 def hf_model_type(config: CLIPConfig) -> str:
-    """The transformers model `config` is written as: "siglip" for an attention-pooled (SigLIP) image tower, else
-    "clip"."""
-    return hf_siglip.MODEL_TYPE if not is_resnet(config) and config.vision.attention_pool else hf_clip.MODEL_TYPE
+    """The transformers model `config` is written as: "siglip2" for a NaFlex image tower, "siglip" for another
+    attention-pooled (SigLIP) one, else "clip"."""
+    if is_resnet(config) or not config.vision.attention_pool:
+        return hf_clip.MODEL_TYPE
+    return hf_siglip2.MODEL_TYPE if config.vision.naflex else hf_siglip.MODEL_TYPE
 
 
 def hf_unsupported(config: CLIPConfig) -> str | None:
@@ -66,13 +69,11 @@ def hf_unsupported(config: CLIPConfig) -> str | None:
 
 
 def _module(saved: dict, where: str):
-    """hf_clip or hf_siglip, as the `config.json` at `where` (`saved`) names its model_type."""
+    """hf_clip, hf_siglip or hf_siglip2, as the `config.json` at `where` (`saved`) names its model_type."""
     model_type = saved.get("model_type")
-    if model_type == hf_siglip.SIGLIP2_MODEL_TYPE:
-        raise InvalidInput(hf_siglip.siglip2_refusal(where))
     if model_type not in _MODULES:
         raise InvalidInput(f"{where} is a transformers {model_type!r} model; clip_jax reads CLIPModel and SiglipModel "
-                           f"folders (model_type {' or '.join(repr(t) for t in _MODULES)})")
+                           f"folders, and Siglip2Model's (model_type {', '.join(repr(t) for t in _MODULES)})")
     return _MODULES[model_type]
 
 
@@ -173,8 +174,8 @@ def write_files(folder: str, files: dict[str, bytes]) -> None:
 
 
 def hf_files(config: CLIPConfig, tokenizer_files=None) -> tuple[str, ...]:
-    """The files `write_hf_files` writes for `config`: `HF_FILES` for a CLIP model; for a SigLIP model its config,
-    weights, image processor and its tokenizer's files (the names of `tokenizer_files`)."""
+    """The files `write_hf_files` writes for `config`: `HF_FILES` for a CLIP model; for a SigLIP (or SigLIP 2
+    NaFlex) model its config, weights, image processor and its tokenizer's files (the names of `tokenizer_files`)."""
     if hf_model_type(config) == hf_clip.MODEL_TYPE:
         return HF_FILES
     _require_tokenizer(config, tokenizer_files)
@@ -182,21 +183,27 @@ def hf_files(config: CLIPConfig, tokenizer_files=None) -> tuple[str, ...]:
 
 
 def write_hf_files(folder: str, state_dict: dict, config: CLIPConfig, *, mean, std,
-                   tokenizer_files: dict[str, bytes] | None = None, resize_mode: str = "shortest") -> None:
-    """Writes the CLIPModel or SiglipModel folder files of `config` (its OpenCLIP `state_dict`) into `folder`, which
-    the caller has claimed (`clip_jax.runtime.ownership`) for `hf_files(config, tokenizer_files)`. A SigLIP model
-    needs its tokenizer's files (`saved_tokenizer(tokenizer)`: name -> bytes). `resize_mode`: the eval transform the
-    model is used with: "squash" writes SiglipImageProcessor's settings, "shortest" CLIPImageProcessor's (shortest
-    side, center crop; a SiglipProcessor takes either)."""
+                   tokenizer_files: dict[str, bytes] | None = None, resize_mode="shortest") -> None:
+    """Writes the CLIPModel, SiglipModel or Siglip2Model folder files of `config` (its OpenCLIP `state_dict`) into
+    `folder`, which the caller has claimed (`clip_jax.runtime.ownership`) for `hf_files(config, tokenizer_files)`. A
+    SigLIP model needs its tokenizer's files (`saved_tokenizer(tokenizer)`: name -> bytes). `resize_mode`: the eval
+    transform the model is used with: "squash" writes SiglipImageProcessor's settings, "shortest"
+    CLIPImageProcessor's (shortest side, center crop; a SiglipProcessor takes either), a NaFlex model's
+    `NaFlexResize` Siglip2ImageProcessor's at its patch budget."""
     from clip_jax.interop.array_files import write_safetensors
 
-    siglip = hf_model_type(config) == hf_siglip.MODEL_TYPE
+    siglip = hf_model_type(config) != hf_clip.MODEL_TYPE
     if siglip:
         _require_tokenizer(config, tokenizer_files)
     module = _MODULES[hf_model_type(config)]
     squash = siglip and resize_mode == "squash"
-    processor = (siglip_preprocessor_config if squash else preprocessor_config)(config.vision.image_size, mean, std)
-    if siglip and not squash:
+    if hf_model_type(config) == hf_siglip2.MODEL_TYPE:
+        budget = getattr(resize_mode, "max_num_patches", hf_siglip2.MAX_NUM_PATCHES)
+        processor = naflex_preprocessor_config(config.vision.patch_size, budget, mean, std)
+    else:
+        processor = (siglip_preprocessor_config if squash else preprocessor_config)(config.vision.image_size, mean,
+                                                                                     std)
+    if siglip and not squash and "processor_class" not in processor:
         processor["processor_class"] = "SiglipProcessor"
     texts = {CONFIG: json.dumps(module.hf_config(config), indent=2) + "\n",  # refuses a model it cannot hold
              PREPROCESSOR: json.dumps(processor, indent=2) + "\n",

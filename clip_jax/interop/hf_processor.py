@@ -13,7 +13,7 @@ import json
 import os
 
 from clip_jax.errors import InvalidInput
-from clip_jax.interop import hf_siglip
+from clip_jax.interop import hf_siglip, hf_siglip2
 from clip_jax.normalization import OPENAI_MEAN, OPENAI_STD
 
 CONFIG = "config.json"
@@ -22,7 +22,7 @@ PROCESSOR = "processor_config.json"  # transformers 5's processor: the image pro
 _BICUBIC = 3  # PIL's Resampling.BICUBIC, as transformers' image processors name the resampling
 _BILINEAR = 2  # PIL's Resampling.BILINEAR: Siglip2ImageProcessor's default
 NAFLEX = "naflex"  # the `resize_mode` of a NaFlex model's preprocessing (`clip_jax.data.transforms.NaFlexResize`)
-DEFAULT_MAX_NUM_PATCHES = 256  # Siglip2ImageProcessor's default patch budget
+DEFAULT_MAX_NUM_PATCHES = hf_siglip2.MAX_NUM_PATCHES  # Siglip2ImageProcessor's default patch budget
 _SIGLIP_MEAN = _SIGLIP_STD = (0.5, 0.5, 0.5)  # SiglipImageProcessor's defaults (IMAGENET_STANDARD_MEAN / _STD)
 
 
@@ -84,7 +84,7 @@ def assumed_preprocessing(folder: str) -> dict:
     """What a folder without an image processor is read with: its model's image processor's defaults
     (SiglipImageProcessor's squash and mean/std 0.5 for a SiglipModel, CLIPImageProcessor's shortest side, center
     crop and OpenAI's mean/std for a CLIPModel), at the model's image size."""
-    if _model_type(folder) == hf_siglip.SIGLIP2_MODEL_TYPE:
+    if _model_type(folder) == hf_siglip2.MODEL_TYPE:
         return {"mean": _SIGLIP_MEAN, "std": _SIGLIP_STD, "resize_mode": NAFLEX,
                 "max_num_patches": DEFAULT_MAX_NUM_PATCHES}
     if _is_siglip_folder(folder):
@@ -97,7 +97,7 @@ def missing_processor_note(folder: str, image_size: int) -> str | None:
     if _image_processor(folder) is not None:
         return None
     assumed = assumed_preprocessing(folder)
-    kind = {hf_siglip.MODEL_TYPE: "SiglipImageProcessor", hf_siglip.SIGLIP2_MODEL_TYPE: "Siglip2ImageProcessor"}.get(
+    kind = {hf_siglip.MODEL_TYPE: "SiglipImageProcessor", hf_siglip2.MODEL_TYPE: "Siglip2ImageProcessor"}.get(
         _model_type(folder), "CLIPImageProcessor")
     resize = {"squash": f"the whole image squashed to {image_size} x {image_size} px",
               NAFLEX: f"the image at its own aspect ratio within {assumed.get('max_num_patches')} patches"}.get(
@@ -123,7 +123,7 @@ def _naflex_processor(saved: dict, folder: str) -> bool:
     kind = saved.get("image_processor_type")
     if isinstance(kind, str) and kind.startswith(("Siglip", "CLIP")):
         return kind.startswith("Siglip2")
-    return _model_type(folder) == hf_siglip.SIGLIP2_MODEL_TYPE
+    return _model_type(folder) == hf_siglip2.MODEL_TYPE
 
 
 def _naflex_preprocessing(saved: dict, path: str) -> dict:
@@ -215,3 +215,13 @@ def siglip_preprocessor_config(image_size: int, mean, std) -> dict:
             "do_convert_rgb": True, "do_resize": True, "size": {"height": int(image_size), "width": int(image_size)},
             "resample": _BICUBIC, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
             "image_mean": [float(x) for x in mean], "image_std": [float(x) for x in std]}
+
+
+def naflex_preprocessor_config(patch_size: int, max_num_patches: int, mean, std) -> dict:
+    """Siglip2ImageProcessor's settings for clip_jax's NaFlex eval transform: the image at its own aspect ratio
+    within `max_num_patches` patches of `patch_size` (bilinear, antialiased), scale to [0, 1], normalise."""
+    return {"image_processor_type": "Siglip2ImageProcessor", "processor_class": "Siglip2Processor",
+            "do_convert_rgb": True, "do_resize": True, "patch_size": int(patch_size),
+            "max_num_patches": int(max_num_patches), "resample": _BILINEAR, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [float(x) for x in mean],
+            "image_std": [float(x) for x in std]}

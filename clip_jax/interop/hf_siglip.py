@@ -25,7 +25,6 @@ from clip_jax.interop.hf_clip import ACTIVATIONS, QUICK_GELU, block_from_act, bl
 from clip_jax.models.config import SIGLIP_INIT_LOGIT_BIAS, CLIPConfig, TextConfig, VisionConfig, is_resnet
 
 MODEL_TYPE = "siglip"  # config.json's `model_type` of a SiglipModel folder
-SIGLIP2_MODEL_TYPE = "siglip2"  # transformers' Siglip2Model: NaFlex, which clip_jax does not build
 _DEFAULT_LOGIT_SCALE = math.log(1 / 0.07)  # OpenCLIP's SigLIP model configs set init_logit_bias only
 # transformers' SiglipTextConfig / SiglipVisionConfig defaults (google/siglip-base-patch16-224) for the keys a
 # config.json may leave out; the text projection_size defaults to the text hidden_size.
@@ -39,13 +38,6 @@ _KINDS = {"hidden_act": str, "layer_norm_eps": float, "vision_use_head": bool, "
           "image_size": (int, list), "patch_size": (int, list)}  # the others are ints
 # Keys of a SiglipModel state_dict that hold no weights (older transformers saved the position ids buffers).
 _BUFFERS = ("text_model.embeddings.position_ids", "vision_model.embeddings.position_ids")
-
-
-def siglip2_refusal(where: str) -> str:
-    """The one line refusing a transformers SigLIP 2 NaFlex folder."""
-    return (f"{where}: model_type {SIGLIP2_MODEL_TYPE!r} is SigLIP 2's NaFlex model (variable resolution and aspect "
-            f"ratio), which clip_jax does not build: use a fixed-resolution SigLIP 2, a SiglipModel folder (model_type "
-            f"{MODEL_TYPE!r}, such as google/siglip2-base-patch16-224, as OpenCLIP's ViT-*-SigLIP2 are)")
 
 
 def hf_unsupported(config: CLIPConfig) -> str | None:
@@ -144,8 +136,6 @@ def square(value, key: str, where: str) -> int:
 
 
 def _check_model_type(cfg: Mapping[str, Any], where: str) -> None:
-    if cfg.get("model_type") == SIGLIP2_MODEL_TYPE:
-        raise InvalidInput(siglip2_refusal(where))
     if cfg.get("model_type") != MODEL_TYPE:
         raise InvalidInput(f"{where} is a transformers {cfg.get('model_type')!r} model; this reads SiglipModel "
                            f"folders (model_type {MODEL_TYPE!r})")
