@@ -230,3 +230,19 @@ def test_what_cannot_take_a_naflex_model_is_refused_in_one_line(theirs, images_f
 
     assert "NaFlex" in refused(guide.main, ["--checkpoint", folder, "--prompt", "a cat", "--output",
                                             tmp_path / "g.png"])
+
+
+def test_the_folders_weights_start_a_fixed_resolution_model_of_its_towers(theirs):
+    """A pretrained start: the folder read as the fixed-resolution SigLIP model of the same towers (at another image
+    size) takes every weight as it is but the position grid, resized to the model's."""
+    import dataclasses
+
+    folder, _ = theirs
+    naflex = open_model(str(folder))
+    vision = dataclasses.replace(naflex.config.vision, naflex=False, image_size=6 * PATCH)
+    fixed = dataclasses.replace(naflex.config, vision=vision, name="fixed")
+    as_fixed = open_model(str(folder), fixed).variables()["params"]
+    own = naflex.variables()["params"]
+    assert as_fixed["visual"]["positional_embedding"].shape == (36, 48)
+    np.testing.assert_array_equal(as_fixed["visual"]["conv1"]["kernel"], own["visual"]["conv1"]["kernel"])
+    np.testing.assert_array_equal(as_fixed["token_embedding"]["embedding"], own["token_embedding"]["embedding"])
