@@ -246,3 +246,12 @@ def test_the_folders_weights_start_a_fixed_resolution_model_of_its_towers(theirs
     assert as_fixed["visual"]["positional_embedding"].shape == (36, 48)
     np.testing.assert_array_equal(as_fixed["visual"]["conv1"]["kernel"], own["visual"]["conv1"]["kernel"])
     np.testing.assert_array_equal(as_fixed["token_embedding"]["embedding"], own["token_embedding"]["embedding"])
+
+
+def test_a_naflex_model_config_keeps_its_tower_through_the_model_config_json(theirs):
+    from clip_jax.models.open_clip_json import config_from_open_clip, open_clip_model_cfg
+
+    config = open_model(str(theirs[0])).config
+    written = open_clip_model_cfg(config)
+    assert written["vision_cfg"]["naflex"] is True and written["vision_cfg"]["pool_type"] == "map"
+    assert config_from_open_clip(written, config.name) == config

@@ -24,7 +24,7 @@ _BLOCK_KEYS = {
 _VISION_KEYS = {
     "image_size": "int", "layers": "int", "width": "int", "patch_size": "int", "head_width": "int",
     "mlp_ratio": "float", "patch_dropout": "float", "no_ln_pre": "bool", "pool_type": "str",
-    "final_ln_after_pool": "bool", **_BLOCK_KEYS,
+    "final_ln_after_pool": "bool", "naflex": "bool", **_BLOCK_KEYS,
 }
 _TEXT_KEYS = {
     "context_length": "int", "vocab_size": "int", "width": "int", "heads": "int", "layers": "int",
@@ -239,6 +239,7 @@ def _vit_from_open_clip(v: Mapping[str, Any]) -> VisionConfig:
         no_ln_pre=v.get("no_ln_pre", False),
         pool_type=v.get("pool_type", "tok"),
         final_ln_after_pool=v.get("final_ln_after_pool", False),
+        naflex=v.get("naflex", False),
     )
 
 
@@ -328,7 +329,7 @@ def _resnet_to_open_clip(v: ResNetVisionConfig) -> dict[str, Any]:
 
 
 def _vit_to_open_clip(v: VisionConfig) -> dict[str, Any]:
-    timm_name = _timm_siglip_name(v) if v.attention_pool else None
+    timm_name = _timm_siglip_name(v) if v.attention_pool and not v.naflex else None
     if timm_name is not None:  # OpenCLIP's SigLIP form; any other size keeps clip_jax's pool_type "map"
         out = {"image_size": v.image_size, "timm_model_name": timm_name, "timm_model_pretrained": False,
                "timm_pool": "map", "timm_proj": "none"}
@@ -339,7 +340,8 @@ def _vit_to_open_clip(v: VisionConfig) -> dict[str, Any]:
     if v.mlp_width != _mlp_width(v.width, 4.0):
         vision["mlp_ratio"] = _ratio(v.width, v.mlp_width)
     optional = (("patch_dropout", v.patch_dropout, 0.0), ("no_ln_pre", v.no_ln_pre, False),
-                ("pool_type", v.pool_type, "tok"), ("final_ln_after_pool", v.final_ln_after_pool, False))
+                ("pool_type", v.pool_type, "tok"), ("final_ln_after_pool", v.final_ln_after_pool, False),
+                ("naflex", v.naflex, False))
     vision.update({k: value for k, value, default in optional if value != default})
     vision.update(_block_to_open_clip(v.block))
     return vision
