@@ -36,6 +36,12 @@ import jax  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
+# Programs keyed as the trainer processes the tests start key theirs (tests/train_config.py): a run compiled here is
+# read back by a trainer process on the same devices with the same config, and the other way round.
+from train_config import share_compiled_programs_across_ranks  # noqa: E402
+
+share_compiled_programs_across_ranks()
+
 import tiny_model  # noqa: E402  (imports clip_jax: after the settings above)
 
 # The trainer's tests read Fashion-MNIST shards (28 px images) and tokenize real captions (OpenAI's vocabulary).

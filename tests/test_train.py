@@ -326,7 +326,9 @@ def test_a_trainer_whose_set_up_fails_closes_what_it_had_opened(shards, tmp_path
 
 @pytest.mark.slow
 def test_a_single_skipped_step_does_not_roll_back(shards, tmp_path):
-    with train_lib.Trainer(tiny_config(shards, tmp_path, nan_patience=3), edit_batch=nan_after({10})) as trainer:
+    # half an epoch: six steps after the bad one, twice the patience (and the program of `uninterrupted`'s run)
+    config = tiny_config(shards, tmp_path, nan_patience=3, **HALF_EPOCH)
+    with train_lib.Trainer(config, edit_batch=nan_after({10})) as trainer:
         trainer.train()
     assert trainer.skipped_updates == 1 and trainer.rollbacks == 0
 
