@@ -1,6 +1,6 @@
 """The NaFlex image tower's train step as the planner compiles it: from abstract NaFlex rows its memory is that of the
-step lowered from real rows of images at several aspect ratios, XLA's FLOPs agree with the analytic count at the
-budget, and SigLIP 2's NaFlex SO400M/16 at 576 patches plans as its fixed-resolution tower at 24 x 24 does."""
+step lowered from real rows of images at several aspect ratios, and SigLIP 2's NaFlex SO400M/16 at 576 patches plans
+as its fixed-resolution tower at 24 x 24 does (its padding a key length cuDNN's fused attention takes)."""
 
 import jax
 import numpy as np
@@ -44,16 +44,6 @@ def test_planned_naflex_memory_is_xla_memory_of_the_step_on_real_rows():
     # The step runs on them: one update, a finite loss.
     _, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
-
-
-@pytest.mark.slow
-def test_xla_flops_of_the_naflex_step_agree_with_the_analytic_count_at_the_budget():
-    setup = StepSpec.for_model(naflex_model(), "fp32", max_num_patches=BUDGET)
-    flops = planner.flops_per_sample(setup, create_mesh(jax.devices()[:1]), 4)
-    # At this width norms, softmax, GELU, the position grid's resize, the loss and AdamW (which only XLA counts)
-    # are a good part of it, as for test_plan.py's tiny model; the budget's tokens are counted by both.
-    assert 1.0 <= flops.forward_xla / flops.forward_analytic < 1.5
-    assert 1.0 <= flops.train_xla / flops.train_analytic < 1.5
 
 
 def siglip2_run(model: str):

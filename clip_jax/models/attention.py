@@ -41,22 +41,28 @@ def attention(q, k, v, causal: bool, implementation: str | None, pad_to_multiple
     and the padded queries through `query_seq_lengths`; their rows are cut off the output, so no gradient reaches
     them. Under a causal mask no real query sees a padded key anyway (they come after it).
 
-    `mask` ([B, 1, T, T] bool, True where a query may see a key; on top of `causal`) runs XLA's attention whatever
-    `implementation` asks: the fused cuDNN kernel takes padding and causal masks, not an arbitrary key mask.
-    `scale`: the logits' factor (None: 1 / sqrt(head_dim)).
+    `mask`: [B, 1, T, T] bool, True where a query may see a key (on top of `causal`), runs XLA's attention whatever
+    `implementation` asks: the fused cuDNN kernel takes padding and causal masks, not an arbitrary key mask. Or
+    [B] int, each row's key length (its keys from that position on are padding, as a NaFlex batch's), which either
+    kernel takes as `key_value_seq_lengths`. `scale`: the logits' factor (None: 1 / sqrt(head_dim)).
     """
     kernel = cudnn_attention if implementation == "cudnn" else xla_attention
+    key_lengths = None
+    if mask is not None and mask.ndim == 1:
+        key_lengths, mask = mask, None
     if mask is not None:
         return xla_attention(q, k, v, mask=mask, is_causal=causal, scale=scale)
     if pad_to_multiple is None:
         pad_to_multiple = CUDNN_SEQ_MULTIPLE if implementation == "cudnn" else 1
     batch, length = q.shape[:2]
     padding = -length % pad_to_multiple
-    if padding == 0:
+    if padding == 0 and key_lengths is None:
         return kernel(q, k, v, is_causal=causal, scale=scale)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))  # noqa: E731
     lengths = jnp.full((batch,), length, jnp.int32)
-    out = kernel(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+    # a row of padding alone (a batch padded with empty images) keeps one key: no row's softmax is over nothing
+    keys = lengths if key_lengths is None else jnp.clip(key_lengths.astype(jnp.int32), 1, length)
+    out = kernel(pad(q), pad(k), pad(v), is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=keys,
                  scale=scale)
     return out[:, :length]
 

@@ -310,7 +310,8 @@ class Transformer(nn.Module):
     uses them, inside the scan and inside remat: the train step gathers FSDP-split weights with it one layer at a
     time. It applies when the model is applied, not when it is initialised.
 
-    `mask` ([B, 1, T, T] bool or None): an attention mask every block applies on top of `causal`.
+    `mask` ([B, 1, T, T] bool, [B] int key lengths, or None): an attention mask every block applies on top of
+    `causal` (see `attention.attention`).
     `residual_dtype`: the residual stream's dtype through the blocks and out of them (None: the compute dtype).
     `emit_states`: also return every block's output, stacked [layers, B, T, W] (the towers' hidden states).
     `unroll_layers`: the scan unrolled, every block its own code (the same parameters): what a block saves for the

@@ -64,7 +64,7 @@ class VisionTransformer(nn.Module):
                         attention_impl=self.attention_impl, layer_params_hook=self.layer_params_hook,
                         block=cfg.block, grad_dtype=self.grad_dtype, residual_dtype=self.residual_dtype,
                         fp8=self.fp8, fused_kernels=self.fused_kernels, unroll_layers=self.unroll_layers,
-                        name="transformer")(x, _key_mask(own), emit_states=emit_states)
+                        name="transformer")(x, _key_lengths(own), emit_states=emit_states)
         x, states = x if emit_states else (x, None)
         ln_post = norm("ln_post")
         if cfg.attention_pool:  # no projection: the pooled vector is the embedding
@@ -176,13 +176,11 @@ class PatchMatmul(nn.Module):
         return mixed_precision.dense(patches, kernel.reshape(-1, self.width), bias, self.dtype, self.grad_dtype)
 
 
-def _key_mask(own):
-    """[B, N] bool (True on an image's own patches) -> the blocks' attention mask [B, 1, N, N]: every query sees its
-    image's own patches only (None: no mask)."""
-    if own is None:
-        return None
-    batch, length = own.shape
-    return jnp.broadcast_to(own[:, None, None, :], (batch, 1, length, length))
+def _key_lengths(own):
+    """[B, N] bool (True on an image's own patches, which come first) -> the blocks' attention mask as key lengths
+    [B] int32: every query sees its image's own patches only, a padding suffix either attention kernel takes (None:
+    no mask)."""
+    return None if own is None else own.sum(axis=-1, dtype=jnp.int32)
 
 
 def kept_patch_count(num_patches: int, patch_dropout: float) -> int:
