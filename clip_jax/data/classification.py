@@ -21,12 +21,17 @@ import grain
 import numpy as np
 
 from clip_jax.data import transforms
+from clip_jax.data.naflex import NaFlexResize, naflex_pixels
 
 
-def eval_image(image: "bytes | np.ndarray", image_size: int, resize_mode: str = "shortest") -> np.ndarray:
-    """OpenCLIP's eval transform of encoded bytes or a uint8 array [H, W(, 3)]: RGB, bicubic shortest-side resize,
-    center crop -> uint8 [S, S, 3] (`resize_mode` "squash": the whole image resized to S x S, as a SigLIP folder's
-    processor does). Bytes that do not decode raise `transforms.ImageDecodeError`."""
+def eval_image(image: "bytes | np.ndarray | Image.Image", image_size: int,
+               resize_mode: "str | NaFlexResize" = "shortest") -> np.ndarray:
+    """OpenCLIP's eval transform of encoded bytes, a uint8 array [H, W(, 3)] or a PIL image: RGB, bicubic
+    shortest-side resize, center crop -> uint8 [S, S, 3] (`resize_mode` "squash": the whole image resized to S x S, as
+    a SigLIP folder's processor does; a `NaFlexResize`: the image at its own aspect ratio as NaFlex rows, pixels
+    0-255, whatever S). Bytes that do not decode raise `transforms.ImageDecodeError`."""
+    if isinstance(resize_mode, NaFlexResize):
+        return naflex_pixels(transforms.to_rgb(image), resize_mode.patch_size, resize_mode.max_num_patches)
     return transforms.eval_crop(transforms.to_rgb(image), image_size, resize_mode)
 
 

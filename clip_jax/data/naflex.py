@@ -86,7 +86,7 @@ def naflex_patches(pixels: np.ndarray, patch_size: int) -> np.ndarray:
 def naflex_pixels(image: Image.Image, patch_size: int, max_num_patches: int) -> np.ndarray:
     """An RGB image's NaFlex rows before normalisation, float32 [max_num_patches, P * P * 3 + 2], pixels 0-255:
     resized (bilinear, antialiased) to its `naflex_grid`, cut into patches, padded to the budget. The eval transform
-    of a NaFlex model (`transforms.NaFlexResize`); `transforms.normalize` normalises them."""
+    of a NaFlex model (`NaFlexResize`); `transforms.normalize` normalises them."""
     rows, columns = naflex_grid(image.height, image.width, patch_size, max_num_patches)
     width, height = columns * patch_size, rows * patch_size
     if image.width != width:  # the width first, then the height, as torch does (Pillow picks the cheaper order)
@@ -106,6 +106,20 @@ def naflex_rows(
     """An RGB image's NaFlex rows float32 [max_num_patches, P * P * 3 + 2]: `naflex_pixels` normalised as
     `(x / 255 - mean) / std`."""
     return transforms.normalize(naflex_pixels(image, patch_size, max_num_patches), mean, std)
+
+
+@dataclasses.dataclass(frozen=True)
+class NaFlexResize:
+    """SigLIP 2's NaFlex eval transform, as a resize mode: the image kept at its own aspect ratio, resized to the
+    largest grid of `patch_size` patches within `max_num_patches` (`naflex_grid`) and returned as
+    NaFlex rows [max_num_patches, P * P * 3 + 2] (`clip_jax.models.naflex`) whose pixels are still 0-255:
+    `transforms.normalize` normalises them as it does images."""
+
+    patch_size: int
+    max_num_patches: int
+
+    def __str__(self) -> str:
+        return f"naflex at {self.max_num_patches} patches of {self.patch_size} px"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -267,29 +267,11 @@ def eval_geometry(width: int, height: int, size: int) -> tuple[tuple[int, int], 
 RESIZE_MODES = ("shortest", "squash")  # OpenCLIP's eval resize modes clip_jax builds
 
 
-@dataclasses.dataclass(frozen=True)
-class NaFlexResize:
-    """SigLIP 2's NaFlex eval transform, as a resize mode: the image kept at its own aspect ratio, resized to the
-    largest grid of ``patch_size`` patches within ``max_num_patches`` (``clip_jax.data.naflex``) and returned as
-    NaFlex rows [max_num_patches, P * P * 3 + 2] (``clip_jax.models.naflex``) whose pixels are still 0-255:
-    :func:`normalize` normalises them as it does images."""
-
-    patch_size: int
-    max_num_patches: int
-
-    def __str__(self) -> str:
-        return f"naflex at {self.max_num_patches} patches of {self.patch_size} px"
-
-
-def eval_crop(image: Image.Image, size: int, resize_mode: str | NaFlexResize = "shortest") -> np.ndarray:
+def eval_crop(image: Image.Image, size: int, resize_mode: str = "shortest") -> np.ndarray:
     """"shortest": bicubic resize of the shortest side to ``size`` (the other as ``int(size * long / short)``),
     center crop. "squash" (SigLIP's; OpenCLIP's ``resize_mode`` of that name, transformers' SiglipImageProcessor):
-    bicubic resize of the whole image to ``size`` x ``size``, no crop. A :class:`NaFlexResize`: NaFlex rows, whatever
-    ``size``."""
-    if isinstance(resize_mode, NaFlexResize):
-        from clip_jax.data.naflex import naflex_pixels
-
-        return naflex_pixels(image, resize_mode.patch_size, resize_mode.max_num_patches)
+    bicubic resize of the whole image to ``size`` x ``size``, no crop. (A NaFlex model's eval transform:
+    ``clip_jax.data.classification.eval_image``.)"""
     if resize_mode == "squash":
         return np.asarray(image if image.size == (size, size) else image.resize((size, size), Image.Resampling.BICUBIC))
     if resize_mode != "shortest":
@@ -302,7 +284,8 @@ def eval_crop(image: Image.Image, size: int, resize_mode: str | NaFlexResize = "
 
 def normalize(images: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """uint8 [..., 3] -> float32 ``(x / 255 - mean) / std``, in float32 like torchvision's ToTensor + Normalize.
-    NaFlex rows [..., N, P * P * 3 + 2] (:class:`NaFlexResize`'s) have their pixels normalised so, their grids kept."""
+    NaFlex rows [..., N, P * P * 3 + 2] (``clip_jax.data.naflex.naflex_pixels``) have their pixels normalised so,
+    their grids kept."""
     if images.shape[-1] != 3:
         return _normalize_naflex(images, mean, std)
     out = images.astype(np.float32)

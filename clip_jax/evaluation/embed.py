@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 from clip_jax.data import webdataset
-from clip_jax.data.transforms import NaFlexResize, normalize
+from clip_jax.data.naflex import NaFlexResize
+from clip_jax.data.transforms import normalize
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.evaluation import embed_parts, embed_reader, embed_writer
 from clip_jax.evaluation.batches import pad_rows

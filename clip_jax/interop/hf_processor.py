@@ -21,7 +21,7 @@ PREPROCESSOR = "preprocessor_config.json"  # the image processor's settings, as 
 PROCESSOR = "processor_config.json"  # transformers 5's processor: the image processor under "image_processor"
 _BICUBIC = 3  # PIL's Resampling.BICUBIC, as transformers' image processors name the resampling
 _BILINEAR = 2  # PIL's Resampling.BILINEAR: Siglip2ImageProcessor's default
-NAFLEX = "naflex"  # the `resize_mode` of a NaFlex model's preprocessing (`clip_jax.data.transforms.NaFlexResize`)
+NAFLEX = "naflex"  # the `resize_mode` of a NaFlex model's preprocessing (`clip_jax.data.naflex.NaFlexResize`)
 DEFAULT_MAX_NUM_PATCHES = hf_siglip2.MAX_NUM_PATCHES  # Siglip2ImageProcessor's default patch budget
 _SIGLIP_MEAN = _SIGLIP_STD = (0.5, 0.5, 0.5)  # SiglipImageProcessor's defaults (IMAGENET_STANDARD_MEAN / _STD)
 

@@ -39,7 +39,7 @@ class OpenedModel:
         """The eval transform's resize: "shortest" side then a center crop, "squash" (a SigLIP folder's), or a NaFlex
         model's `NaFlexResize` at `max_num_patches`."""
         if self.naflex:
-            from clip_jax.data.transforms import NaFlexResize
+            from clip_jax.data.naflex import NaFlexResize
 
             return NaFlexResize(self.config.vision.patch_size, self.max_num_patches)
         return self.preprocessing.get("resize_mode", "shortest")

@@ -23,10 +23,10 @@ import sys
 
 import jax
 import numpy as np
-from PIL import Image
 
 from clip_jax.data import fashion_mnist
-from clip_jax.data.transforms import eval_crop, normalize
+from clip_jax.data.classification import eval_image
+from clip_jax.data.transforms import normalize
 from clip_jax.errors import InvalidInput, MissingInput
 from clip_jax.interop import similarity_inputs as inputs
 from clip_jax.interop.inference import eval_transform
@@ -48,13 +48,13 @@ def one_image_per_class(images: np.ndarray, labels: np.ndarray, num_classes: int
 def preprocess(grey: np.ndarray, size: int, mean, std, resize_mode="shortest") -> np.ndarray:
     """uint8 [N, h, w] greyscale -> float32 [N, size, size, 3] (NaFlex rows under a `NaFlexResize`), the eval
     transform and the model's normalisation."""
-    crops = np.stack([eval_crop(Image.fromarray(x).convert("RGB"), size, resize_mode) for x in grey])
+    crops = np.stack([eval_image(x, size, resize_mode) for x in grey])
     return normalize(crops, mean, std)
 
 
 def _resized(image, *, size: int, mean, std, resize_mode) -> np.ndarray:
     """The eval transform of a NaFlex model: NaFlex rows, normalised."""
-    return normalize(eval_crop(image.convert("RGB"), size, resize_mode), mean, std)
+    return normalize(eval_image(image, size, resize_mode), mean, std)
 
 
 def format_table(probs: np.ndarray, row_names, column_names) -> str:
