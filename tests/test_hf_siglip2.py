@@ -3,6 +3,7 @@ the one opener; `embed` on non-square images gives transformers' image and text 
 budget and at another `--max_num_patches`; `zeroshot` gives its predictions; an export loads in transformers with the
 same embeddings; what cannot take a NaFlex model is refused in one line."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -230,13 +231,20 @@ def test_what_cannot_take_a_naflex_model_is_refused_in_one_line(theirs, images_f
 
     assert "NaFlex" in refused(guide.main, ["--checkpoint", folder, "--prompt", "a cat", "--output",
                                             tmp_path / "g.png"])
+    from clip_jax.errors import InvalidInput
+    from clip_jax.interop.timm_tower import timm_args
+
+    with pytest.raises(InvalidInput, match="SigLIP 2 NaFlex folder"):
+        timm_args(str(folder))
+    naflex = open_model(str(folder))
+    fixed = dataclasses.replace(naflex.config, vision=dataclasses.replace(naflex.config.vision, naflex=False))
+    with pytest.raises(InvalidInput, match="--max_num_patches 16: .* is not a NaFlex model"):
+        open_model(str(folder), fixed, max_num_patches=16)
 
 
 def test_the_folders_weights_start_a_fixed_resolution_model_of_its_towers(theirs):
     """A pretrained start: the folder read as the fixed-resolution SigLIP model of the same towers (at another image
     size) takes every weight as it is but the position grid, resized to the model's."""
-    import dataclasses
-
     folder, _ = theirs
     naflex = open_model(str(folder))
     vision = dataclasses.replace(naflex.config.vision, naflex=False, image_size=6 * PATCH)
@@ -255,3 +263,30 @@ def test_a_naflex_model_config_keeps_its_tower_through_the_model_config_json(the
     written = open_clip_model_cfg(config)
     assert written["vision_cfg"]["naflex"] is True and written["vision_cfg"]["pool_type"] == "map"
     assert config_from_open_clip(written, config.name).vision == config.vision
+
+
+def test_similarity_and_score_read_the_folder_at_a_budget_as_transformers_does(theirs, images_folder, tmp_path,
+                                                                               capsys):
+    from clip_jax.evaluation import clip_score
+
+    folder, model = theirs
+    images_dir, images, captions = images_folder
+    labels = ["a red dog", "two small birds on the grass"]
+    report = tmp_path / "similarity.json"
+    assert similarity.main(["--checkpoint", str(folder), "--images", str(images_dir), "--labels", ",".join(labels),
+                            "--max_num_patches", str(OTHER_BUDGET), "--json", str(report)]) == 0
+    assert f"(at {OTHER_BUDGET} patches)" in capsys.readouterr().out
+    rows = sorted(json.loads(report.read_text())["images"], key=lambda row: os.path.basename(row["image"]))
+    image, text = _reference(model, folder, images, labels, OTHER_BUDGET)
+    expected = torch.sigmoid(model.logit_scale.exp() * torch.from_numpy(image @ text.T) + model.logit_bias)
+    np.testing.assert_allclose([row["probabilities"] for row in rows], expected.detach().numpy(), atol=1e-4)
+
+    table = tmp_path / "captions.csv"
+    table.write_text("".join(f"{i:03d}.png,{caption}\n" for i, caption in enumerate(captions)))
+    scores = tmp_path / "scores.csv"
+    assert clip_score.main(["--checkpoint", str(folder), "--images", str(images_dir), "--captions", str(table),
+                            "--output", str(scores)]) == 0
+    assert f"images at {BUDGET} patches" in capsys.readouterr().out
+    image, text = _reference(model, folder, images, captions, BUDGET)
+    written = [float(line.rsplit(",", 1)[1]) for line in scores.read_text().splitlines()[1:]]
+    np.testing.assert_allclose(written, 100 * np.maximum(np.sum(image * text, -1), 0), atol=2e-2)
