@@ -207,7 +207,7 @@ def _png(image) -> bytes:
 
 
 def test_zeroshot_and_benchmark_eval_squash_images_as_the_folders_processor_does(folder, tmp_path):
-    """Oblong images, which a crop and the SiglipImageProcessor's squash see differently: both commands score them
+    """Oblong images, which a crop and the SiglipImageProcessor's squash see differently: the commands score them
     as transformers does given the processor's pixels (a crop would score otherwise)."""
     from test_clip_benchmark import write_dataset
 
@@ -241,6 +241,17 @@ def test_zeroshot_and_benchmark_eval_squash_images_as_the_folders_processor_does
     assert benchmark_cli.main(["eval", "--dataset", "wds/oblong", "--dataset_root", str(tmp_path), "--pretrained",
                                str(path), "--output", str(result)]) == 0
     assert json.loads(result.read_text())["metrics"]["acc1"] == 1.0
+    # similarity squashes them too: each image's most probable prompt is transformers' prediction
+    from clip_jax.interop import similarity
+
+    for i, image in enumerate(images[:8]):
+        image.save(tmp_path / f"{i}.png")
+    probabilities = tmp_path / "similarity.json"
+    assert similarity.main(["--checkpoint", str(path), "--images", *[str(tmp_path / f"{i}.png") for i in range(8)],
+                            "--labels", ",".join(template.format(c=c) for c in classes),
+                            "--json", str(probabilities)]) == 0
+    rows = json.loads(probabilities.read_text())["images"]
+    assert [int(np.argmax(row["probabilities"])) for row in rows] == labels[:8].tolist()
 
 
 def test_a_run_keeps_its_tokenizers_files_and_a_resume_reading_another_is_one_line(folder, tmp_path):

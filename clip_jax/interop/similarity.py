@@ -53,7 +53,8 @@ def preprocess(grey: np.ndarray, size: int, mean, std, resize_mode="shortest") -
 
 
 def _resized(image, *, size: int, mean, std, resize_mode) -> np.ndarray:
-    """The eval transform of a NaFlex model: NaFlex rows, normalised."""
+    """The eval transform of a model whose images are not center-cropped (a SigLIP folder's squash, a NaFlex model's
+    rows), normalised."""
     return normalize(eval_image(image, size, resize_mode), mean, std)
 
 
@@ -148,7 +149,7 @@ def run(args) -> dict:
     model, opened, mean, std = open_checkpoint(args)
     tokenize = tokenizer_for(model.config)  # checked before any image is read
     texts, size = texts_of(args), model.config.vision.image_size
-    resize_mode = opened.resize_mode if opened is not None and opened.naflex else "shortest"
+    resize_mode = "shortest" if opened is None else opened.resize_mode  # a SigLIP folder's squash, NaFlex's rows
     if texts is None:
         image_batches, labels, texts = demo_images(args, size, mean, std, resize_mode)
     else:
