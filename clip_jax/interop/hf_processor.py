@@ -129,7 +129,7 @@ def _naflex_processor(saved: dict, folder: str) -> bool:
 def _naflex_preprocessing(saved: dict, path: str) -> dict:
     """Siglip2ImageProcessor's settings: the image at its own aspect ratio within `max_num_patches` patches
     (antialiased bilinear), scaled to [0, 1], normalised; its `mean`, `std` and `max_num_patches`."""
-    factor, budget = saved.get("rescale_factor", 1 / 255), saved.get("max_num_patches", DEFAULT_MAX_NUM_PATCHES)
+    budget = saved.get("max_num_patches", DEFAULT_MAX_NUM_PATCHES)
     problems = [
         f"max_num_patches={budget!r} must be a positive whole number"
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1 else None,
@@ -138,6 +138,17 @@ def _naflex_preprocessing(saved: dict, path: str) -> dict:
         if saved.get("resample", _BILINEAR) != _BILINEAR else None,
         "do_resize=false: the images are left at their size; clip_jax's NaFlex transform fits them to the patch "
         "budget" if not saved.get("do_resize", True) else None,
+        *_scaling_problems(saved),
+    ]
+    _refuse_first(problems, path)
+    stats = {k: tuple(float(x) for x in saved.get(f"image_{k}", _SIGLIP_MEAN)) for k in ("mean", "std")}
+    return {**stats, "resize_mode": NAFLEX, "max_num_patches": budget}
+
+
+def _scaling_problems(saved: dict) -> list[str | None]:
+    """What an image processor does to the resized pixels that clip_jax's transforms do not (None: nothing)."""
+    factor = saved.get("rescale_factor", 1 / 255)
+    return [
         f"do_rescale / rescale_factor: the pixels are not scaled by 1/255 (do_rescale {saved.get('do_rescale')}, "
         f"rescale_factor {saved.get('rescale_factor')}), as clip_jax's transforms scale them"
         if not saved.get("do_rescale", True) or not isinstance(factor, (int, float)) or abs(factor - 1 / 255) > 1e-12
@@ -145,11 +156,13 @@ def _naflex_preprocessing(saved: dict, path: str) -> dict:
         "do_normalize=false: the pixels are not normalised; clip_jax's transforms normalise with a mean and std"
         if not saved.get("do_normalize", True) else None,
     ]
+
+
+def _refuse_first(problems: list[str | None], path: str) -> None:
+    """Raises the first of `problems` (None: none) in one line naming `path`."""
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise InvalidInput(f"{path}: {problem}")
-    stats = {k: tuple(float(x) for x in saved.get(f"image_{k}", (0.5, 0.5, 0.5))) for k in ("mean", "std")}
-    return {**stats, "resize_mode": NAFLEX, "max_num_patches": budget, "patch_size": saved.get("patch_size")}
 
 
 def _squash_preprocessing(saved: dict, size: dict, path: str, siglip: bool) -> dict:
@@ -157,7 +170,6 @@ def _squash_preprocessing(saved: dict, size: dict, path: str, siglip: bool) -> d
     height, width = size.get("height"), size.get("width")
     crop = saved.get("crop_size") or {"height": 224, "width": 224}
     crop = (crop.get("height"), crop.get("width")) if isinstance(crop, dict) else (crop, crop)
-    factor = saved.get("rescale_factor", 1 / 255)
     problems = [
         f"size={size}: the image goes to {height} x {width} px; clip_jax's transforms squash it to a square"
         if height != width else None,
@@ -168,16 +180,9 @@ def _squash_preprocessing(saved: dict, size: dict, path: str, siglip: bool) -> d
         f"do_center_crop=true: a {crop[0]} x {crop[1]} px crop after squashing to {height} x {width}; clip_jax's "
         "transforms squash to the model's size without a crop"
         if saved.get("do_center_crop", not siglip) and crop != (height, width) else None,
-        f"do_rescale / rescale_factor: the pixels are not scaled by 1/255 (do_rescale {saved.get('do_rescale')}, "
-        f"rescale_factor {saved.get('rescale_factor')}), as clip_jax's transforms scale them"
-        if not saved.get("do_rescale", True) or not isinstance(factor, (int, float)) or abs(factor - 1 / 255) > 1e-12
-        else None,
-        "do_normalize=false: the pixels are not normalised; clip_jax's transforms normalise with a mean and std"
-        if not saved.get("do_normalize", True) else None,
+        *_scaling_problems(saved),
     ]
-    problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise InvalidInput(f"{path}: {problem}")
+    _refuse_first(problems, path)
     defaults = {"mean": _SIGLIP_MEAN, "std": _SIGLIP_STD} if siglip else {}
     stats = {k: tuple(float(x) for x in saved.get(f"image_{k}", defaults.get(k, ()))) for k in ("mean", "std")}
     return {**{k: v for k, v in stats.items() if v}, "resize_mode": "squash"}

@@ -1,9 +1,10 @@
 """A model opened from a path (`clip_jax.interop.opener.open_model`): its config, preprocessing, weights and
 tokenizer, and, for a NaFlex model, the patch budget its images are read at (`--max_num_patches`)."""
 
+import copy
 import functools
 
-from clip_jax.data.naflex import check_budget
+from clip_jax.data.naflex import NaFlexResize, check_budget
 from clip_jax.errors import InvalidInput
 from clip_jax.interop.hf_processor import DEFAULT_MAX_NUM_PATCHES
 from clip_jax.models.config import CLIPConfig, is_resnet
@@ -39,8 +40,6 @@ class OpenedModel:
         """The eval transform's resize: "shortest" side then a center crop, "squash" (a SigLIP folder's), or a NaFlex
         model's `NaFlexResize` at `max_num_patches`."""
         if self.naflex:
-            from clip_jax.data.naflex import NaFlexResize
-
             return NaFlexResize(self.config.vision.patch_size, self.max_num_patches)
         return self.preprocessing.get("resize_mode", "shortest")
 
@@ -61,7 +60,9 @@ class OpenedModel:
             raise InvalidInput(f"--max_num_patches {max_num_patches}: {self.config.name} is not a NaFlex model (it "
                                f"reads images at {self.config.vision.image_size} px); leave --max_num_patches out")
         check_budget(max_num_patches)
-        return OpenedModel(self.source, self.config, max_num_patches)
+        opened = copy.copy(self)  # keeps the preprocessing read already (a folder's processor is read once)
+        opened._max_num_patches = max_num_patches
+        return opened
 
     def budget_clause(self) -> str:
         """", at N patches" for a NaFlex model (a command's summary line names the budget), else ""."""
